@@ -1,0 +1,45 @@
+"""Finds the CUDA extension (NVSHMEM host API + kernels) and picks a backend.
+
+The extension is optional: a build without nvcc or without the NVSHMEM headers installs a pure-Python
+package, and asking for ``backend="nvshmem"`` then raises an error that says why.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+try:
+    from . import _nvshmem_ext as ext  # built by CMake when nvcc and NVSHMEM are found
+    IMPORT_ERROR: str | None = None
+except ImportError as exc:  # CPU-only build, or the NVSHMEM host library cannot be loaded
+    ext = None
+    IMPORT_ERROR = str(exc)
+
+
+def build_info() -> dict:
+    """What this install was built with: {'cuda': bool, ...}; the extension adds NVSHMEM/CUDA versions."""
+    if ext is None:
+        return {"cuda": False, "reason": IMPORT_ERROR}
+    return {"cuda": True, **ext.build_info()}
+
+
+def unavailable_reason(mesh: Mesh) -> str | None:
+    """Why the NVSHMEM backend cannot serve `mesh`, or None when it can."""
+    if ext is None:
+        return ("jax_moe_comm was built without its CUDA extension (no nvcc or no nvidia-nvshmem headers at "
+                f"build time; import error: {IMPORT_ERROR}). Reinstall with the [cuda13] or [cuda12] extra.")
+    platforms = {d.platform for d in mesh.devices.flat}
+    if platforms != {"gpu"}:
+        return f"the NVSHMEM backend needs a mesh of CUDA GPUs, got platforms {sorted(platforms)}"
+    return "the NVSHMEM kernels are not part of this version yet"
+
+
+def resolve_backend(backend: str, mesh: Mesh) -> str:
+    if backend == "reference":
+        return "reference"
+    reason = unavailable_reason(mesh)
+    if reason is None:
+        return "nvshmem"
+    if backend == "nvshmem":
+        raise RuntimeError(f"backend='nvshmem' is not available: {reason}")
+    return "reference"

@@ -1,0 +1,180 @@
+"""Public API: MoEComm, its per-shard calls, and the global-view wrappers.
+
+Per-shard calls (``comm.dispatch`` ...) run inside the user's ``shard_map`` over ``axis_name``; the module-level
+``dispatch``/``combine`` take arrays sharded over that axis and need no user-written shard_map.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from . import _native, reference
+from .config import MoECommConfig
+from .types import CombineHandle, Dispatched
+
+BACKENDS = ("auto", "nvshmem", "reference")
+
+
+def _check_array(name: str, value: Any, shape: tuple, dtypes: tuple | None, dtype_rule: str = "") -> Array:
+    """ValueError naming `name` unless `value` has `shape` and one of `dtypes`."""
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise ValueError(f"{name} must be an array of shape {shape}, got {type(value).__name__}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (per shard), got {tuple(value.shape)}")
+    if dtypes is not None and np.dtype(value.dtype) not in [np.dtype(d) for d in dtypes]:
+        rule = dtype_rule or " or ".join(np.dtype(d).name for d in dtypes)
+        raise ValueError(f"{name} must have dtype {rule}, got {np.dtype(value.dtype).name}")
+    return value
+
+
+class MoEComm:
+    """Dispatch/combine for one MoE layer over the mesh axis ``axis_name``.
+
+    Args:
+      cfg: the layer's MoECommConfig.
+      mesh: a jax Mesh with an axis named ``axis_name`` (the EP axis; other axes are left alone).
+      axis_name: the EP axis; its size is the world.
+      backend: "reference" (pure JAX collectives, any platform), "nvshmem" (CUDA kernels; needs the CUDA
+        extension and ``jax_moe_comm.initialize()``), or "auto" (nvshmem when available, else reference).
+
+    A MoEComm's calls must be used one protocol at a time (send -> recv -> combine send -> combine recv); use
+    two instances to overlap two layers.
+    """
+
+    def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto") -> None:
+        if not isinstance(cfg, MoECommConfig):
+            raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.cfg = cfg
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.world = int(mesh.shape[axis_name])
+        cfg.validate_world(self.world, axis_name)
+        self.backend = _native.resolve_backend(backend, mesh)
+        self._geo = reference._Geometry(cfg, self.world, axis_name)
+        self._impl = reference  # the only backend until the CUDA kernels land
+
+    # Static sizes ------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Rows of ``expert_x`` per shard."""
+        return self._geo.capacity
+
+    @property
+    def num_local_experts(self) -> int:
+        return self._geo.L
+
+    def __repr__(self) -> str:
+        return f"MoEComm(world={self.world}, backend={self.backend!r}, capacity={self.capacity}, cfg={self.cfg})"
+
+    # Argument checks ---------------------------------------------------------------------------------
+    def _check_dispatch_args(self, x, topk_ids, scales, num_tokens):
+        c = self.cfg
+        _check_array("x", x, (c.max_tokens, c.hidden), (c.dtype,))
+        _check_array("topk_ids", topk_ids, (c.max_tokens, c.experts_per_token), (jnp.int32,))
+        if c.is_fp8:
+            if scales is None:
+                raise ValueError("scales is required for float8_e4m3fn payloads: float32 [max_tokens, hidden // scale_block]")
+            _check_array("scales", scales, (c.max_tokens, c.scale_cols), (jnp.float32,))
+        elif scales is not None:
+            raise ValueError(f"scales is only for float8_e4m3fn payloads; dtype is {c.dtype.name}")
+        if num_tokens is None:
+            return jnp.int32(c.max_tokens)
+        num_tokens = jnp.asarray(num_tokens)
+        if num_tokens.shape != () or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+            raise ValueError(f"num_tokens must be an integer scalar (per shard), got {num_tokens.dtype}{list(num_tokens.shape)}")
+        return jnp.clip(num_tokens.astype(jnp.int32), 0, c.max_tokens)
+
+    def _check_handle(self, handle):
+        if not isinstance(handle, CombineHandle):
+            raise ValueError(f"handle must be the CombineHandle from dispatch, got {type(handle).__name__}")
+
+    def _check_weights(self, topk_weights):
+        c = self.cfg
+        _check_array("topk_weights", topk_weights, (c.max_tokens, c.experts_per_token), (jnp.float32,))
+
+    # Per-shard API (inside shard_map over axis_name) -------------------------------------------------
+    def dispatch_send(self, x: Array, topk_ids: Array, scales: Array | None = None, num_tokens: Array | None = None):
+        """Starts sending tokens to their experts' ranks; returns a pending pytree for ``dispatch_recv``.
+
+        x: [max_tokens, H] cfg.dtype; topk_ids: int32 [max_tokens, K] in [-1, E); scales: float32
+        [max_tokens, H // B] (fp8 only); num_tokens: int32 scalar, rows >= num_tokens are ignored.
+        """
+        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens)
+        return self._impl.dispatch_send(self._geo, x, topk_ids, scales, num_tokens)
+
+    def dispatch_recv(self, pending) -> Dispatched:
+        """Waits for the rows of ``dispatch_send`` and returns them packed by local expert."""
+        return self._impl.dispatch_recv(self._geo, pending)
+
+    def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None, num_tokens: Array | None = None) -> Dispatched:
+        """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout."""
+        return self.dispatch_recv(self.dispatch_send(x, topk_ids, scales, num_tokens))
+
+    def combine_send(self, expert_y: Array, handle: CombineHandle):
+        """Starts sending expert outputs [capacity, H] (any float dtype) back to their tokens' ranks."""
+        self._check_handle(handle)
+        _check_array("expert_y", expert_y, (self.capacity, self.cfg.hidden), None)
+        if not jnp.issubdtype(expert_y.dtype, jnp.floating):
+            raise ValueError(f"expert_y must have a floating dtype, got {np.dtype(expert_y.dtype).name}")
+        return self._impl.combine_send(self._geo, expert_y, handle)
+
+    def combine_recv(self, pending, topk_weights: Array) -> Array:
+        """Waits for the expert rows and returns y [max_tokens, H] out_dtype, y[i] = sum_k w[i,k] row(i,k)."""
+        self._check_weights(topk_weights)
+        return self._impl.combine_recv(self._geo, pending, topk_weights)
+
+    def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:
+        """``combine_recv(combine_send(expert_y, handle), topk_weights)``."""
+        self._check_weights(topk_weights)
+        return self.combine_recv(self.combine_send(expert_y, handle), topk_weights)
+
+
+# Global view --------------------------------------------------------------------------------------------
+def _lift_scalars(tree):
+    """Per-shard scalars become [1] so they can be concatenated over the EP axis."""
+    return jax.tree.map(lambda a: a.reshape(1) if a.ndim == 0 else a, tree)
+
+
+def _per_shard(comm: MoEComm, fn, *args):
+    spec = P(comm.axis_name)
+    mapped = jax.shard_map(lambda *a: _lift_scalars(fn(*a)), mesh=comm.mesh, in_specs=spec, out_specs=spec)
+    return mapped(*args)
+
+
+def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None = None,
+             num_tokens: Array | None = None) -> Dispatched:
+    """Global-view dispatch on arrays sharded over ``comm.axis_name`` (usable inside ``jit``).
+
+    x: [world * max_tokens, H]; topk_ids: int32 [world * max_tokens, K]; scales: float32
+    [world * max_tokens, H // B] (fp8); num_tokens: int32 [world] (one count per rank) or None.
+    Returns a Dispatched whose arrays are the per-shard results concatenated over the EP axis:
+    expert_x [world * capacity, H], group_sizes [E], handle.num_tokens [world].
+    """
+
+    def shard_fn(x, topk_ids, scales, num_tokens):
+        count = None if num_tokens is None else num_tokens.reshape(())
+        return comm.dispatch(x, topk_ids, scales, count)
+
+    return _per_shard(comm, shard_fn, x, topk_ids, scales, num_tokens)
+
+
+def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:
+    """Global-view combine: expert_y [world * capacity, H], the global handle from ``dispatch``,
+    topk_weights float32 [world * max_tokens, K] -> y [world * max_tokens, H] out_dtype."""
+
+    def shard_fn(expert_y, handle, topk_weights):
+        handle = CombineHandle(handle.row_origin, handle.topk_ids, handle.num_tokens.reshape(()))
+        return comm.combine(expert_y, handle, topk_weights)
+
+    return _per_shard(comm, shard_fn, expert_y, handle, topk_weights)

@@ -1,0 +1,137 @@
+"""MoECommConfig: the static description of one MoE layer's communication.
+
+Every field is validated when the config is built: a bad value raises ``ValueError`` naming the argument
+and the rule it breaks. Values that need the mesh (the world size) are checked by ``MoEComm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+PAYLOAD_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
+OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+DEFAULT_SCALE_BLOCK = 128
+# A packed row's origin is stored as one int32: (src_group * max_tokens + token) * K + slot.
+_MAX_ORIGIN = 2**31 - 1
+
+
+def _dtype_name(dtype: Any) -> str:
+    return np.dtype(dtype).name
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _canonical_dtype(name: str, value: Any, allowed: tuple) -> np.dtype:
+    try:
+        dtype = np.dtype(value)
+    except TypeError as exc:
+        raise ValueError(f"{name} must be a dtype, got {value!r}") from exc
+    if dtype not in [np.dtype(d) for d in allowed]:
+        names = ", ".join(_dtype_name(d) for d in allowed)
+        raise ValueError(f"{name} must be one of {names}; got {dtype.name}")
+    return dtype
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class MoECommConfig:
+    """Static shapes and options of one dispatch/combine.
+
+    Args:
+      num_experts: E, experts in the layer; a multiple of the world size.
+      experts_per_token: K, top-k experts per token (1 <= K <= E).
+      hidden: H, elements per token row.
+      max_tokens: static bound of tokens per DP group per call (rows of ``x``).
+      dtype: payload dtype of ``x``: bfloat16, float16, float32 or float8_e4m3fn.
+      scale_block: B, elements per fp32 scale; fp8 only (default 128), ``hidden % B == 0``.
+      out_dtype: dtype of the combined output: bfloat16, float16 or float32.
+      dp_size: ranks per DP group; the group's ranks hold identical tokens.
+      capacity: rows of the receive buffer; default is the worst case (see ``capacity``).
+      align: each local expert's row count is padded to a multiple of ``align``.
+    """
+
+    num_experts: int
+    experts_per_token: int
+    hidden: int
+    max_tokens: int
+    dtype: Any = jnp.bfloat16
+    scale_block: int | None = None
+    out_dtype: Any = jnp.bfloat16
+    dp_size: int = 1
+    capacity: int | None = None
+    align: int = 1
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        for name in ("num_experts", "experts_per_token", "hidden", "max_tokens", "dp_size", "align"):
+            set_(name, _positive_int(name, getattr(self, name)))
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token must be <= num_experts ({self.num_experts}), got {self.experts_per_token}"
+            )
+        set_("dtype", _canonical_dtype("dtype", self.dtype, PAYLOAD_DTYPES))
+        set_("out_dtype", _canonical_dtype("out_dtype", self.out_dtype, OUT_DTYPES))
+        if self.is_fp8:
+            block = DEFAULT_SCALE_BLOCK if self.scale_block is None else self.scale_block
+            block = _positive_int("scale_block", block)
+            if self.hidden % block:
+                raise ValueError(f"hidden ({self.hidden}) must be a multiple of scale_block ({block})")
+            set_("scale_block", block)
+        elif self.scale_block is not None:
+            raise ValueError(f"scale_block is only for dtype float8_e4m3fn; got scale_block={self.scale_block!r} "
+                             f"with dtype {self.dtype.name}")
+        if self.capacity is not None:
+            set_("capacity", _positive_int("capacity", self.capacity))
+        if self.max_tokens * self.experts_per_token > _MAX_ORIGIN // self.max_tokens:
+            # Generous static bound; the exact per-world bound is checked in origin_limit().
+            raise ValueError("max_tokens * experts_per_token is too large to index rows with int32")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == np.dtype(jnp.float8_e4m3fn)
+
+    @property
+    def scale_cols(self) -> int:
+        """Columns of the fp32 scale array: H // B for fp8, 0 otherwise."""
+        return self.hidden // self.scale_block if self.is_fp8 else 0
+
+    def num_dp(self, world: int) -> int:
+        return world // self.dp_size
+
+    def local_experts(self, world: int) -> int:
+        return self.num_experts // world
+
+    def worst_case_rows(self, world: int) -> int:
+        """Most rows one rank can receive: every token of every DP group, once per local expert it picks,
+        plus alignment padding of each local expert's group."""
+        num_local = self.local_experts(world)
+        rows = self.max_tokens * self.num_dp(world) * min(self.experts_per_token, num_local)
+        if self.align > 1:
+            rows = round_up(rows + num_local * (self.align - 1), self.align)
+        return rows
+
+    def capacity_for(self, world: int) -> int:
+        """Rows of ``expert_x``: ``capacity`` if given, else the worst case."""
+        return self.capacity if self.capacity is not None else self.worst_case_rows(world)
+
+    def validate_world(self, world: int, axis_name: str) -> None:
+        """Checks that need the EP world size; ValueError naming the argument otherwise."""
+        if world % self.dp_size:
+            raise ValueError(f"dp_size ({self.dp_size}) must divide the size of mesh axis {axis_name!r} ({world})")
+        if self.num_experts % world:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be a multiple of the size of mesh axis {axis_name!r} ({world})"
+            )
+        if self.num_dp(world) * self.max_tokens * self.experts_per_token > _MAX_ORIGIN:
+            raise ValueError("num_dp * max_tokens * experts_per_token must fit in int32")

@@ -1,0 +1,226 @@
+"""The reference backend: pure JAX collectives inside shard_map, one function per kernel phase.
+
+It is the oracle of the NVSHMEM backend (same layout, same handle, bit-for-bit) and the backend of every
+machine without NVSHMEM. Each phase mirrors its kernel (DESIGN §4):
+
+  dispatch_send  count rows per destination, pack a staging buffer per destination rank, transfer
+                 (the kernel puts each row into the destination's slot; here one padded ``all_to_all``)
+  dispatch_recv  order the arrived rows by (local expert, source DP group, token), pack them, write the handle
+  combine_send   send every valid expert row home to all replicas of its source DP group
+  combine_recv   weighted fp32 sum of each token's K rows, in slot order
+
+All functions run per shard, inside shard_map over ``axis_name``. Plain JAX AD differentiates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from . import errors
+from .config import MoECommConfig, round_up
+from .types import CombineHandle, Dispatched
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Static sizes of one (config, world) pair."""
+
+    cfg: MoECommConfig
+    world: int
+    axis_name: str
+
+    @property
+    def T(self) -> int:  # noqa: N802 (paper notation)
+        return self.cfg.max_tokens
+
+    @property
+    def K(self) -> int:  # noqa: N802
+        return self.cfg.experts_per_token
+
+    @property
+    def L(self) -> int:  # noqa: N802
+        return self.cfg.local_experts(self.world)
+
+    @property
+    def num_dp(self) -> int:
+        return self.cfg.num_dp(self.world)
+
+    @property
+    def rows_per_peer(self) -> int:
+        """Most rows one rank sends to one peer in either direction: each token of a DP group goes to at
+        most min(K, L) experts of one rank."""
+        return self.T * min(self.K, self.L)
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.capacity_for(self.world)
+
+
+def _pytree(cls):
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+@_pytree
+class PendingDispatch:
+    """Rows in flight after dispatch_send (per shard). ``recv_meta`` [world, rows_per_peer] int32 holds, for each
+    row that arrived from source rank s, ``(local_expert * max_tokens + token) * K + slot``, or -1."""
+
+    recv_x: Array
+    recv_scales: Array | None
+    recv_meta: Array
+    topk_ids: Array
+    num_tokens: Array
+
+
+@_pytree
+class PendingCombine:
+    """Expert rows in flight after combine_send: ``recv_y`` [world, rows_per_peer, H] and ``recv_slot``
+    [world, rows_per_peer] int32 (``token * K + slot`` on this rank, -1 for none)."""
+
+    recv_y: Array
+    recv_slot: Array
+    topk_ids: Array
+    num_tokens: Array
+
+
+def _first_true(mask: Array, values: Array) -> tuple[Array, Array]:
+    """(row index, value) of the first True entry of a [T, K] mask in row-major order; (0, 0) if none."""
+    flat = jnp.argmax(mask.reshape(-1))
+    return flat // mask.shape[1], values.reshape(-1)[flat]
+
+
+def _validate_routing(geo: _Geometry, topk_ids: Array, live: Array) -> None:
+    """Fails the call on an id outside [-1, E) or a repeated id within one token (valid rows only)."""
+    bad = live[:, None] & ((topk_ids < -1) | (topk_ids >= geo.cfg.num_experts))
+    same = topk_ids[:, :, None] == topk_ids[:, None, :]
+    earlier = jnp.tril(jnp.ones((geo.K, geo.K), bool), k=-1)  # [k, j]: j < k
+    repeated = live[:, None] & (topk_ids >= 0) & jnp.any(same & earlier, axis=2)
+    code = jnp.where(bad.any(), errors.BAD_EXPERT_ID, 0) | jnp.where(repeated.any(), errors.REPEATED_EXPERT_ID, 0)
+    token, value = _first_true(jnp.where(bad.any(), bad, repeated), topk_ids)
+    errors.check(code, jax.lax.axis_index(geo.axis_name), token, value, phase="dispatch_send")
+
+
+def _exchange(geo: _Geometry, per_peer: Array) -> Array:
+    """[world(dest), ...] on every rank -> [world(src), ...]: the transfer of both directions."""
+    return jax.lax.all_to_all(per_peer, geo.axis_name, split_axis=0, concat_axis=0, tiled=True)
+
+
+def _scatter_rows(shape_rows: tuple, index: tuple, rows: Array, fill) -> Array:
+    """rows scattered into a new array filled with `fill`; out-of-range indices are dropped (never written)."""
+    out = jnp.full(shape_rows + rows.shape[1:], fill, rows.dtype)
+    return out.at[index].set(rows, mode="drop")
+
+
+def dispatch_send(geo: _Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> PendingDispatch:
+    """Counts rows per destination rank and packs them into per-peer staging slots, then transfers.
+
+    Ordering inside a destination's staging is by (token, slot), so the receiver's layout is deterministic.
+    Replica j of a DP group sends tokens i with i % dp_size == j.
+    """
+    T, K = geo.T, geo.K
+    rank = jax.lax.axis_index(geo.axis_name)
+    token = jnp.arange(T, dtype=jnp.int32)
+    live = token < num_tokens
+    _validate_routing(geo, topk_ids, live)
+
+    mine = live & (token % geo.cfg.dp_size == rank % geo.cfg.dp_size)
+    sends = mine[:, None] & (topk_ids >= 0) & (topk_ids < geo.cfg.num_experts)
+    dest = jnp.where(sends, topk_ids // geo.L, geo.world).reshape(-1)  # world = "nowhere"
+    order = jnp.argsort(dest, stable=True)  # by destination, then (token, slot)
+    dest_sorted = dest[order]
+    counts = jnp.bincount(dest, length=geo.world + 1)
+    start = jnp.cumsum(counts) - counts
+    pos = jnp.arange(T * K, dtype=jnp.int32) - start[dest_sorted]
+    tok_sorted, slot_sorted = order // K, order % K
+    local_expert = topk_ids.reshape(-1)[order] % geo.L
+    meta = jnp.where(dest_sorted < geo.world, (local_expert * T + tok_sorted) * K + slot_sorted, -1)
+
+    index = (dest_sorted, pos)
+    staging_shape = (geo.world, geo.rows_per_peer)
+    recv_x = _exchange(geo, _scatter_rows(staging_shape, index, x[tok_sorted], 0))
+    recv_meta = _exchange(geo, _scatter_rows(staging_shape, index, meta.astype(jnp.int32), -1))
+    recv_scales = None
+    if scales is not None:
+        recv_scales = _exchange(geo, _scatter_rows(staging_shape, index, scales[tok_sorted], 0))
+    return PendingDispatch(recv_x, recv_scales, recv_meta, topk_ids, num_tokens)
+
+
+def dispatch_recv(geo: _Geometry, p: PendingDispatch) -> Dispatched:
+    """Packs arrived rows by (local expert, source DP group, token), pads each expert to `align`, and writes
+    the handle. Rows past `capacity` are dropped and fail the call."""
+    T, K, L = geo.T, geo.K, geo.L
+    meta = p.recv_meta.reshape(-1)
+    arrived = meta >= 0
+    src_group = (jnp.arange(geo.world, dtype=jnp.int32) // geo.cfg.dp_size).repeat(geo.rows_per_peer)
+    local_expert, token, slot = meta // (T * K), (meta // K) % T, meta % K
+    sort_key = jnp.where(arrived, (local_expert * geo.num_dp + src_group) * T + token, L * geo.num_dp * T)
+    order = jnp.argsort(sort_key, stable=True)
+    expert_sorted = jnp.where(arrived, local_expert, L)[order]
+
+    counts = jnp.bincount(expert_sorted, length=L + 1)[:L].astype(jnp.int32)
+    group_sizes = round_up(counts, geo.cfg.align) if geo.cfg.align > 1 else counts
+    first_unpadded = jnp.cumsum(counts) - counts
+    first_packed = jnp.cumsum(group_sizes) - group_sizes
+    rank_in_expert = jnp.arange(meta.shape[0], dtype=jnp.int32) - first_unpadded[jnp.minimum(expert_sorted, L - 1)]
+    row = jnp.where(expert_sorted < L, first_packed[jnp.minimum(expert_sorted, L - 1)] + rank_in_expert, geo.capacity)
+    row = jnp.where(row < geo.capacity, row, geo.capacity)  # overflowing rows are dropped, never written
+
+    needed = jnp.sum(group_sizes)
+    overflow = needed > geo.capacity
+    errors.check(jnp.where(overflow, errors.CAPACITY_OVERFLOW, 0), jax.lax.axis_index(geo.axis_name),
+                 needed, geo.capacity, phase="dispatch_recv")
+
+    origin = jnp.where(arrived, (src_group * T + token) * K + slot, -1)[order]
+    cap = (geo.capacity,)
+    expert_x = _scatter_rows(cap, (row,), p.recv_x.reshape((-1,) + p.recv_x.shape[2:])[order], 0)
+    expert_scales = None
+    if p.recv_scales is not None:
+        expert_scales = _scatter_rows(cap, (row,), p.recv_scales.reshape((-1,) + p.recv_scales.shape[2:])[order], 0)
+    row_origin = _scatter_rows(cap, (row,), origin, -1)
+    handle = CombineHandle(row_origin=row_origin, topk_ids=p.topk_ids, num_tokens=p.num_tokens)
+    return Dispatched(expert_x=expert_x, expert_scales=expert_scales, group_sizes=group_sizes, handle=handle)
+
+
+def combine_send(geo: _Geometry, expert_y: Array, handle: CombineHandle) -> PendingCombine:
+    """Sends each valid expert row to every replica of its source DP group, tagged with its (token, slot)."""
+    T, K = geo.T, geo.K
+    origin = handle.row_origin
+    has_token = origin >= 0
+    group = jnp.where(has_token, origin // (T * K), geo.num_dp)
+    order = jnp.argsort(group, stable=True)
+    group_sorted = group[order]
+    counts = jnp.bincount(group, length=geo.num_dp + 1)
+    start = jnp.cumsum(counts) - counts
+    pos = jnp.arange(origin.shape[0], dtype=jnp.int32) - start[group_sorted]
+    index = (group_sorted, pos)
+    per_group = (geo.num_dp, geo.rows_per_peer)
+    rows = _scatter_rows(per_group, index, expert_y[order], 0)
+    slots = _scatter_rows(per_group, index, (origin % (T * K))[order], -1)
+    replica_group = jnp.arange(geo.world) // geo.cfg.dp_size  # destination rank -> its DP group
+    return PendingCombine(
+        recv_y=_exchange(geo, rows[replica_group]),
+        recv_slot=_exchange(geo, slots[replica_group]),
+        topk_ids=handle.topk_ids,
+        num_tokens=handle.num_tokens,
+    )
+
+
+def combine_recv(geo: _Geometry, q: PendingCombine, topk_weights: Array) -> Array:
+    """y[i] = sum_k w[i, k] * row(i, k) in fp32, k in order; slots with id -1 and rows >= num_tokens give 0."""
+    T, K = geo.T, geo.K
+    slot = q.recv_slot.reshape(-1)
+    slot = jnp.where(slot >= 0, slot, T * K)  # -1 would wrap around; send it out of range instead
+    rows = q.recv_y.reshape((-1,) + q.recv_y.shape[2:]).astype(jnp.float32)
+    by_slot = _scatter_rows((T * K,), (slot,), rows, 0).reshape(T, K, -1)
+    live = jnp.arange(T) < q.num_tokens
+    weights = jnp.where(live[:, None] & (q.topk_ids >= 0), topk_weights.astype(jnp.float32), 0.0)
+    acc = jnp.zeros(by_slot.shape[::2], jnp.float32)
+    for k in range(K):  # fixed summation order: the kernel adds slots 0..K-1 the same way
+        acc = acc + weights[:, k, None] * by_slot[:, k]
+    return jnp.where(live[:, None], acc, 0.0).astype(geo.cfg.out_dtype)

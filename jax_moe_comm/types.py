@@ -1,0 +1,53 @@
+"""The pytrees that travel between the phases: what dispatch returns and what combine needs.
+
+Both backends produce these same types with the same contents, so a handle from one phase can be inspected,
+saved through ``jax.lax.scan`` carries, or compared across backends in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import Array
+
+
+def _pytree(cls):
+    """Registers a dataclass as a pytree whose fields are all array leaves (None fields are empty)."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+@_pytree
+class CombineHandle:
+    """Everything combine needs to send expert outputs home. Per shard:
+
+    row_origin: int32 [capacity]. For packed row p, ``(src_group * max_tokens + token) * K + slot``: the DP
+        group that sent it, the token's index there, and the top-k slot it fills. -1 for rows that hold no
+        token (alignment padding and the unused tail).
+    topk_ids:   int32 [max_tokens, K], this rank's own routing (combine_recv counts each token's valid slots).
+    num_tokens: int32 [], this rank's valid token count; output rows >= num_tokens are zero.
+    """
+
+    row_origin: Array
+    topk_ids: Array
+    num_tokens: Array
+
+
+@_pytree
+class Dispatched:
+    """The result of dispatch on one shard.
+
+    expert_x:      [capacity, H] payload dtype. Rows grouped by local expert (expert 0's rows first), inside an
+                   expert ordered by (source DP group, source token index). Each expert's run is padded with zero
+                   rows to a multiple of ``align``; rows past ``sum(group_sizes)`` hold no token.
+    expert_scales: [capacity, H // scale_block] float32 for fp8 payloads, else None; same row order.
+    group_sizes:   int32 [L], rows per local expert including alignment padding (``jax.lax.ragged_dot``-ready).
+    handle:        CombineHandle for ``combine``.
+    """
+
+    expert_x: Array
+    expert_scales: Array | None
+    group_sizes: Array
+    handle: CombineHandle
