@@ -23,15 +23,23 @@ def build_info() -> dict:
     return {"cuda": True, **ext.build_info()}
 
 
+def unavailable_reason_text() -> str:
+    return ("jax_moe_comm was built without its CUDA extension (no nvcc or no nvidia-nvshmem headers at build "
+            f"time; import error: {IMPORT_ERROR}). Reinstall with the [cuda13] or [cuda12] extra (see README).")
+
+
 def unavailable_reason(mesh: Mesh) -> str | None:
     """Why the NVSHMEM backend cannot serve `mesh`, or None when it can."""
+    from . import runtime
+
     if ext is None:
-        return ("jax_moe_comm was built without its CUDA extension (no nvcc or no nvidia-nvshmem headers at "
-                f"build time; import error: {IMPORT_ERROR}). Reinstall with the [cuda13] or [cuda12] extra.")
+        return unavailable_reason_text()
     platforms = {d.platform for d in mesh.devices.flat}
     if platforms != {"gpu"}:
         return f"the NVSHMEM backend needs a mesh of CUDA GPUs, got platforms {sorted(platforms)}"
-    return "the NVSHMEM kernels are not part of this version yet"
+    if runtime.current() is None:
+        return "NVSHMEM is not initialized on this process; call jax_moe_comm.initialize() first"
+    return None
 
 
 def resolve_backend(backend: str, mesh: Mesh) -> str:

@@ -15,11 +15,12 @@ from jax import Array
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from . import _native, reference
-from .config import MoECommConfig
+from . import _native, nvshmem_backend, reference
+from .config import Geometry, MoECommConfig
 from .types import CombineHandle, Dispatched
 
 BACKENDS = ("auto", "nvshmem", "reference")
+COMBINE_DTYPES = [np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
 
 
 def _check_array(name: str, value: Any, shape: tuple, dtypes: tuple | None, dtype_rule: str = "") -> Array:
@@ -61,8 +62,17 @@ class MoEComm:
         self.world = int(mesh.shape[axis_name])
         cfg.validate_world(self.world, axis_name)
         self.backend = _native.resolve_backend(backend, mesh)
-        self._geo = reference._Geometry(cfg, self.world, axis_name)
-        self._impl = reference  # the only backend until the CUDA kernels land
+        self._geo = Geometry(cfg, self.world, axis_name)
+        if self.backend == "nvshmem":
+            self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
+        else:
+            self._impl, self._plan = reference, self._geo
+
+    def close(self) -> None:
+        """Frees the NVSHMEM symmetric buffers (collective: every process closes its MoEComm in the same order)."""
+        if self.backend == "nvshmem" and self._plan is not None:
+            nvshmem_backend.destroy_plan(self._plan)
+            self._plan = None
 
     # Static sizes ------------------------------------------------------------------------------------
     @property
@@ -73,6 +83,12 @@ class MoEComm:
     @property
     def num_local_experts(self) -> int:
         return self._geo.L
+
+    @property
+    def symmetric_bytes(self) -> int:
+        """NVSHMEM symmetric heap this config takes per GPU on the NVSHMEM backend (0 bytes are used by the
+        reference backend; the figure is reported for sizing NVSHMEM_SYMMETRIC_SIZE)."""
+        return nvshmem_backend.symmetric_bytes(self.cfg, self.world)
 
     def __repr__(self) -> str:
         return f"MoEComm(world={self.world}, backend={self.backend!r}, capacity={self.capacity}, cfg={self.cfg})"
@@ -111,11 +127,11 @@ class MoEComm:
         [max_tokens, H // B] (fp8 only); num_tokens: int32 scalar, rows >= num_tokens are ignored.
         """
         num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens)
-        return self._impl.dispatch_send(self._geo, x, topk_ids, scales, num_tokens)
+        return self._impl.dispatch_send(self._plan, x, topk_ids, scales, num_tokens)
 
     def dispatch_recv(self, pending) -> Dispatched:
         """Waits for the rows of ``dispatch_send`` and returns them packed by local expert."""
-        return self._impl.dispatch_recv(self._geo, pending)
+        return self._impl.dispatch_recv(self._plan, pending)
 
     def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None, num_tokens: Array | None = None) -> Dispatched:
         """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout."""
@@ -125,14 +141,16 @@ class MoEComm:
         """Starts sending expert outputs [capacity, H] (any float dtype) back to their tokens' ranks."""
         self._check_handle(handle)
         _check_array("expert_y", expert_y, (self.capacity, self.cfg.hidden), None)
-        if not jnp.issubdtype(expert_y.dtype, jnp.floating):
-            raise ValueError(f"expert_y must have a floating dtype, got {np.dtype(expert_y.dtype).name}")
-        return self._impl.combine_send(self._geo, expert_y, handle)
+        dtype, out = np.dtype(expert_y.dtype), self.cfg.out_dtype
+        if dtype not in COMBINE_DTYPES or dtype.itemsize > out.itemsize:
+            raise ValueError(f"expert_y must have dtype bfloat16, float16 or float32 no wider than out_dtype "
+                             f"({out.name}); got {dtype.name}")
+        return self._impl.combine_send(self._plan, expert_y, handle)
 
     def combine_recv(self, pending, topk_weights: Array) -> Array:
         """Waits for the expert rows and returns y [max_tokens, H] out_dtype, y[i] = sum_k w[i,k] row(i,k)."""
         self._check_weights(topk_weights)
-        return self._impl.combine_recv(self._geo, pending, topk_weights)
+        return self._impl.combine_recv(self._plan, pending, topk_weights)
 
     def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:
         """``combine_recv(combine_send(expert_y, handle), topk_weights)``."""

@@ -135,3 +135,38 @@ class MoECommConfig:
             )
         if self.num_dp(world) * self.max_tokens * self.experts_per_token > _MAX_ORIGIN:
             raise ValueError("num_dp * max_tokens * experts_per_token must fit in int32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static sizes of one (config, EP world) pair, in the paper's notation; shared by both backends."""
+
+    cfg: MoECommConfig
+    world: int
+    axis_name: str
+
+    @property
+    def T(self) -> int:  # noqa: N802 (paper notation)
+        return self.cfg.max_tokens
+
+    @property
+    def K(self) -> int:  # noqa: N802
+        return self.cfg.experts_per_token
+
+    @property
+    def L(self) -> int:  # noqa: N802
+        return self.cfg.local_experts(self.world)
+
+    @property
+    def num_dp(self) -> int:
+        return self.cfg.num_dp(self.world)
+
+    @property
+    def rows_per_peer(self) -> int:
+        """Most rows one rank sends to one peer in either direction: each token of a DP group goes to at
+        most min(K, L) experts of one rank."""
+        return self.T * min(self.K, self.L)
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.capacity_for(self.world)

@@ -1,26 +1,31 @@
-"""Routing errors found on the device, raised to the user.
+"""Errors found on the device, raised to the user.
 
-The device computes an int32 error word per call (0 = fine) plus two integers of detail; a host callback
-raises when the word is non-zero. Inside ``jit`` the error surfaces as ``jax.errors.JaxRuntimeError`` whose
-message contains the text below, when the result is waited on (e.g. ``block_until_ready``). The device never
-writes out of bounds in the meantime: offending rows are dropped.
+Every phase produces a status word ``int32[4] = {code, phase, detail_a, detail_b}`` (code 0 = fine) on the
+device; a host callback raises when the code is non-zero. Inside ``jit`` the error surfaces as
+``jax.errors.JaxRuntimeError`` whose message contains the text below, when the result is waited on (e.g.
+``block_until_ready``). The device never writes out of bounds in the meantime: offending rows are dropped.
+Both backends use this; the codes match ``ffi/context.h``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 
 BAD_EXPERT_ID = 1        # an id outside [-1, num_experts)
 REPEATED_EXPERT_ID = 2   # one token names the same expert in two top-k slots
 CAPACITY_OVERFLOW = 4    # the rows this rank receives exceed `capacity`
+TIMEOUT = 8              # a peer never arrived (NVSHMEM backend)
+STATUS_WORDS = 4
+PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
 class MoECommError(RuntimeError):
     """A dispatch/combine call failed on the device (bad routing, overflow, or a peer timing out)."""
 
 
-def describe(code: int, phase: str, rank: int, detail_a: int, detail_b: int) -> str:
+def describe(code: int, phase: int, rank: int, detail_a: int, detail_b: int) -> str:
     parts = []
     if code & BAD_EXPERT_ID:
         parts.append(f"expert id {detail_b} of token {detail_a} is outside [-1, num_experts)")
@@ -28,15 +33,31 @@ def describe(code: int, phase: str, rank: int, detail_a: int, detail_b: int) -> 
         parts.append(f"token {detail_a} names expert {detail_b} in two top-k slots (ids must be distinct)")
     if code & CAPACITY_OVERFLOW:
         parts.append(f"{detail_a} rows arrived but capacity is {detail_b}; raise MoECommConfig.capacity")
-    return f"jax_moe_comm: {phase} failed on rank {rank}: " + "; ".join(parts)
+    if code & TIMEOUT:
+        parts.append(f"timed out waiting for rank {detail_a} (JAX_MOE_COMM_TIMEOUT_S); did every rank make the call?")
+    name = PHASES[phase] if 0 <= phase < len(PHASES) else f"phase {phase}"
+    return f"jax_moe_comm: {name} failed on rank {rank}: " + "; ".join(parts)
 
 
-def _raise_if_error(code, rank, detail_a, detail_b, *, phase: str) -> None:
-    if int(code) != 0:
-        raise MoECommError(describe(int(code), phase, int(rank), int(detail_a), int(detail_b)))
+def status(code, phase: int, detail_a=0, detail_b=0) -> Array:
+    """A status word built from traced values (the reference backend's equivalent of the kernels' report)."""
+    return jnp.stack([jnp.asarray(v, jnp.int32) for v in (code, phase, detail_a, detail_b)])
 
 
-def check(code, rank, detail_a, detail_b, *, phase: str) -> None:
-    """Raises MoECommError (through the runtime) when the traced int32 `code` is non-zero."""
-    args = [jnp.asarray(v, jnp.int32) for v in (code, rank, detail_a, detail_b)]
-    jax.debug.callback(lambda *a: _raise_if_error(*a, phase=phase), *args)
+def first_failure(*statuses: Array) -> Array:
+    """The earliest non-zero status of a call's phases, else zeros."""
+    out = statuses[-1]
+    for s in reversed(statuses[:-1]):
+        out = jnp.where(s[0] != 0, s, out)
+    return out
+
+
+def _raise_if_error(word, rank) -> None:
+    code, phase, a, b = (int(v) for v in word)
+    if code != 0:
+        raise MoECommError(describe(code, phase, int(rank), a, b))
+
+
+def check(word: Array, rank: Array) -> None:
+    """Raises MoECommError (through the runtime) when the traced status word's code is non-zero."""
+    jax.debug.callback(_raise_if_error, word, jnp.asarray(rank, jnp.int32))

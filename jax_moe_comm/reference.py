@@ -21,43 +21,8 @@ import jax.numpy as jnp
 from jax import Array
 
 from . import errors
-from .config import MoECommConfig, round_up
+from .config import Geometry, round_up
 from .types import CombineHandle, Dispatched
-
-
-@dataclasses.dataclass(frozen=True)
-class _Geometry:
-    """Static sizes of one (config, world) pair."""
-
-    cfg: MoECommConfig
-    world: int
-    axis_name: str
-
-    @property
-    def T(self) -> int:  # noqa: N802 (paper notation)
-        return self.cfg.max_tokens
-
-    @property
-    def K(self) -> int:  # noqa: N802
-        return self.cfg.experts_per_token
-
-    @property
-    def L(self) -> int:  # noqa: N802
-        return self.cfg.local_experts(self.world)
-
-    @property
-    def num_dp(self) -> int:
-        return self.cfg.num_dp(self.world)
-
-    @property
-    def rows_per_peer(self) -> int:
-        """Most rows one rank sends to one peer in either direction: each token of a DP group goes to at
-        most min(K, L) experts of one rank."""
-        return self.T * min(self.K, self.L)
-
-    @property
-    def capacity(self) -> int:
-        return self.cfg.capacity_for(self.world)
 
 
 def _pytree(cls):
@@ -95,7 +60,7 @@ def _first_true(mask: Array, values: Array) -> tuple[Array, Array]:
     return flat // mask.shape[1], values.reshape(-1)[flat]
 
 
-def _validate_routing(geo: _Geometry, topk_ids: Array, live: Array) -> None:
+def _validate_routing(geo: Geometry, topk_ids: Array, live: Array) -> None:
     """Fails the call on an id outside [-1, E) or a repeated id within one token (valid rows only)."""
     bad = live[:, None] & ((topk_ids < -1) | (topk_ids >= geo.cfg.num_experts))
     same = topk_ids[:, :, None] == topk_ids[:, None, :]
@@ -103,10 +68,10 @@ def _validate_routing(geo: _Geometry, topk_ids: Array, live: Array) -> None:
     repeated = live[:, None] & (topk_ids >= 0) & jnp.any(same & earlier, axis=2)
     code = jnp.where(bad.any(), errors.BAD_EXPERT_ID, 0) | jnp.where(repeated.any(), errors.REPEATED_EXPERT_ID, 0)
     token, value = _first_true(jnp.where(bad.any(), bad, repeated), topk_ids)
-    errors.check(code, jax.lax.axis_index(geo.axis_name), token, value, phase="dispatch_send")
+    errors.check(errors.status(code, 0, token, value), jax.lax.axis_index(geo.axis_name))
 
 
-def _exchange(geo: _Geometry, per_peer: Array) -> Array:
+def _exchange(geo: Geometry, per_peer: Array) -> Array:
     """[world(dest), ...] on every rank -> [world(src), ...]: the transfer of both directions."""
     return jax.lax.all_to_all(per_peer, geo.axis_name, split_axis=0, concat_axis=0, tiled=True)
 
@@ -117,7 +82,7 @@ def _scatter_rows(shape_rows: tuple, index: tuple, rows: Array, fill) -> Array:
     return out.at[index].set(rows, mode="drop")
 
 
-def dispatch_send(geo: _Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> PendingDispatch:
+def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> PendingDispatch:
     """Counts rows per destination rank and packs them into per-peer staging slots, then transfers.
 
     Ordering inside a destination's staging is by (token, slot), so the receiver's layout is deterministic.
@@ -151,7 +116,7 @@ def dispatch_send(geo: _Geometry, x: Array, topk_ids: Array, scales: Array | Non
     return PendingDispatch(recv_x, recv_scales, recv_meta, topk_ids, num_tokens)
 
 
-def dispatch_recv(geo: _Geometry, p: PendingDispatch) -> Dispatched:
+def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
     """Packs arrived rows by (local expert, source DP group, token), pads each expert to `align`, and writes
     the handle. Rows past `capacity` are dropped and fail the call."""
     T, K, L = geo.T, geo.K, geo.L
@@ -173,8 +138,8 @@ def dispatch_recv(geo: _Geometry, p: PendingDispatch) -> Dispatched:
 
     needed = jnp.sum(group_sizes)
     overflow = needed > geo.capacity
-    errors.check(jnp.where(overflow, errors.CAPACITY_OVERFLOW, 0), jax.lax.axis_index(geo.axis_name),
-                 needed, geo.capacity, phase="dispatch_recv")
+    errors.check(errors.status(jnp.where(overflow, errors.CAPACITY_OVERFLOW, 0), 1, needed, geo.capacity),
+                 jax.lax.axis_index(geo.axis_name))
 
     origin = jnp.where(arrived, (src_group * T + token) * K + slot, -1)[order]
     cap = (geo.capacity,)
@@ -187,7 +152,7 @@ def dispatch_recv(geo: _Geometry, p: PendingDispatch) -> Dispatched:
     return Dispatched(expert_x=expert_x, expert_scales=expert_scales, group_sizes=group_sizes, handle=handle)
 
 
-def combine_send(geo: _Geometry, expert_y: Array, handle: CombineHandle) -> PendingCombine:
+def combine_send(geo: Geometry, expert_y: Array, handle: CombineHandle) -> PendingCombine:
     """Sends each valid expert row to every replica of its source DP group, tagged with its (token, slot)."""
     T, K = geo.T, geo.K
     origin = handle.row_origin
@@ -211,7 +176,7 @@ def combine_send(geo: _Geometry, expert_y: Array, handle: CombineHandle) -> Pend
     )
 
 
-def combine_recv(geo: _Geometry, q: PendingCombine, topk_weights: Array) -> Array:
+def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array) -> Array:
     """y[i] = sum_k w[i, k] * row(i, k) in fp32, k in order; slots with id -1 and rows >= num_tokens give 0."""
     T, K = geo.T, geo.K
     slot = q.recv_slot.reshape(-1)

@@ -1,0 +1,81 @@
+// nanobind module jax_moe_comm._nvshmem_ext: the host API of runtime.h and the FFI handler capsules.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+
+#include <map>
+#include <stdexcept>
+#include <string>
+
+#include "handlers.h"
+#include "runtime.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+int field(const std::map<std::string, int64_t>& sizes, const char* name) {
+  auto it = sizes.find(name);
+  if (it == sizes.end()) throw std::invalid_argument(std::string("missing size field ") + name);
+  return static_cast<int>(it->second);
+}
+
+jmc::Sizes sizes_from(const std::map<std::string, int64_t>& d) {
+  jmc::Sizes s{};
+#define JMC_FIELD(name) s.name = field(d, #name)
+  JMC_FIELD(rank); JMC_FIELD(world); JMC_FIELD(dp_size); JMC_FIELD(num_dp);
+  JMC_FIELD(max_tokens); JMC_FIELD(experts_per_token); JMC_FIELD(hidden); JMC_FIELD(num_experts);
+  JMC_FIELD(local_experts); JMC_FIELD(capacity); JMC_FIELD(align); JMC_FIELD(payload_bytes);
+  JMC_FIELD(scale_cols); JMC_FIELD(token_stride); JMC_FIELD(slots_per_region); JMC_FIELD(combine_stride);
+  JMC_FIELD(num_blocks); JMC_FIELD(threads);
+#undef JMC_FIELD
+  s.timeout_ns = d.at("timeout_ns");
+  return s;
+}
+
+}  // namespace
+
+NB_MODULE(_nvshmem_ext, m) {
+  m.doc() = "NVSHMEM host API and XLA FFI handlers of jax_moe_comm";
+
+  m.def("build_info", [] {
+    const jmc::BuildInfo b = jmc::build_info();
+    return std::map<std::string, std::string>{
+        {"nvshmem", std::to_string(b.nvshmem_major) + "." + std::to_string(b.nvshmem_minor) + "." +
+                        std::to_string(b.nvshmem_patch)},
+        {"cudart_build", std::to_string(b.cudart_build)},
+        {"cudart_runtime", std::to_string(b.cudart_runtime)}};
+  }, "NVSHMEM headers and CUDA runtime versions this extension was built with / runs on.");
+  m.def("unique_id", [] { std::string id = jmc::unique_id(); return nb::bytes(id.data(), id.size()); },
+        "A fresh NVSHMEM unique id (128 bytes), to be shared with every rank.");
+  m.def("init", [](nb::bytes uid, int rank, int nranks, int device) {
+    return jmc::init(std::string(uid.c_str(), uid.size()), rank, nranks, device);
+  }, nb::arg("uid"), nb::arg("rank"), nb::arg("nranks"), nb::arg("device"),
+        "Initialize NVSHMEM from a unique id (or attach this library's device state if already initialized). "
+        "Returns 0 on success.");
+  m.def("init_status", &jmc::init_status);
+  m.def("my_pe", &jmc::my_pe);
+  m.def("n_pes", &jmc::n_pes);
+  m.def("finalize", &jmc::finalize);
+  m.def("host_version", &jmc::host_version, "(major, minor) of the loaded libnvshmem_host.");
+  m.def("sm_count", &jmc::sm_count);
+  m.def("symmetric_bytes", [](const std::map<std::string, int64_t>& sizes) {
+    return jmc::symmetric_bytes(sizes_from(sizes));
+  });
+  m.def("create_context", [](const std::map<std::string, int64_t>& sizes) {
+    std::string error;
+    jmc::Context* ctx = jmc::create_context(sizes_from(sizes), &error);
+    if (ctx == nullptr) throw std::runtime_error("jax_moe_comm: " + error);
+    return reinterpret_cast<intptr_t>(ctx);
+  }, "Collective: allocate one MoEComm's symmetric buffers; returns the context address for the handlers.");
+  m.def("destroy_context", [](intptr_t ctx) { jmc::destroy_context(reinterpret_cast<jmc::Context*>(ctx)); },
+        "Collective: free a context's symmetric buffers.");
+  m.def("handlers", [] {
+    return std::map<std::string, nb::capsule>{
+        {"dispatch_send", nb::capsule(reinterpret_cast<void*>(jmc_dispatch_send))},
+        {"dispatch_recv", nb::capsule(reinterpret_cast<void*>(jmc_dispatch_recv))},
+        {"combine_send", nb::capsule(reinterpret_cast<void*>(jmc_combine_send))},
+        {"combine_recv", nb::capsule(reinterpret_cast<void*>(jmc_combine_recv))}};
+  }, "XLA FFI handler capsules for jax.ffi.register_ffi_target(..., platform='CUDA').");
+}

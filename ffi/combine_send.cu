@@ -1,0 +1,45 @@
+// combine_send: tell every peer we are done reading our dispatch buffers (sync flag), then send each valid
+// expert output row home, to every replica of its source DP group, into the slot (token, top-k slot).
+#include "device_common.cuh"
+
+namespace jmc {
+namespace {
+
+__global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
+  const Sizes& s = ctx.s;
+  if (blockIdx.x == 0 && threadIdx.x < s.world && threadIdx.x != s.rank)
+    nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+
+  const int lane = threadIdx.x % 32;
+  const int warps_per_block = blockDim.x / 32;
+  const int gwarp = blockIdx.x * warps_per_block + threadIdx.x / 32;
+  const int nwarps = gridDim.x * warps_per_block;
+  const int row_bytes = s.hidden * a.elem_bytes;
+  const int slots_per_group = s.max_tokens * s.experts_per_token;
+  for (int p = gwarp; p < s.capacity; p += nwarps) {
+    const int origin = a.row_origin[p];
+    if (origin < 0) continue;
+    const int group = origin / slots_per_group, slot = origin % slots_per_group;
+    const int token = slot / s.experts_per_token;
+    // Stage into symmetric memory: a put's source must be symmetric on transports other than NVLink.
+    char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
+    warp_copy(staged, static_cast<const char*>(a.expert_y) + static_cast<size_t>(p) * row_bytes, row_bytes, lane);
+    __syncwarp();
+    for (int j = 0; j < s.dp_size; ++j) {
+      nvshmemx_putmem_signal_nbi_warp(ctx.combine_slots + static_cast<size_t>(slot) * s.combine_stride, staged,
+                                      row_bytes, ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD,
+                                      group * s.dp_size + j);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cudaStream_t stream) {
+  cudaError_t err = cudaMemsetAsync(a.status, 0, kStatusWords * sizeof(int32_t), stream);
+  if (err != cudaSuccess) return err;
+  combine_send_kernel<<<ctx.s.num_blocks, ctx.s.threads, 0, stream>>>(ctx, a);
+  return cudaGetLastError();
+}
+
+}  // namespace jmc

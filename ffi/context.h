@@ -1,0 +1,64 @@
+// The state of one MoEComm on one rank: static sizes plus pointers into the NVSHMEM symmetric heap.
+// Created once (collectively) by MoEComm construction, reused by every call; handlers find it through the
+// integer attribute `ctx` (the address of this struct).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define JMC_HOST_DEVICE __host__ __device__
+#else
+#define JMC_HOST_DEVICE
+#endif
+
+namespace jmc {
+
+// Error codes shared with jax_moe_comm/errors.py (status[0] is a bit set).
+enum ErrorCode : int32_t {
+  kBadExpertId = 1,
+  kRepeatedExpertId = 2,
+  kCapacityOverflow = 4,
+  kTimeout = 8,
+};
+
+// Phases, for timeout messages (status[1] when kTimeout is set).
+enum Phase : int32_t { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
+
+// status[4] int32 written by every kernel: {code, phase, detail_a, detail_b}. For kTimeout detail_a is the
+// peer waited for; for id errors (token, id); for overflow (rows needed, capacity).
+constexpr int kStatusWords = 4;
+
+struct Sizes {
+  int rank, world, dp_size, num_dp;
+  int max_tokens, experts_per_token, hidden, num_experts, local_experts;
+  int capacity, align;
+  int payload_bytes;   // hidden * sizeof(dtype)
+  int scale_cols;      // hidden / scale_block for fp8, else 0
+  int token_stride;    // bytes of one staged token: payload | fp32 scales | int32 token | int32 ids[K], 16-aligned
+  int slots_per_region;// ceil(max_tokens / dp_size): most tokens one replica sends to one expert
+  int combine_stride;  // bytes of one combine row (hidden * 4, the widest expert_y dtype), 16-aligned
+  int64_t timeout_ns;
+  int num_blocks, threads;  // launch shape (co-resident: at most one block per SM)
+};
+
+struct Context {
+  Sizes s;
+  // Symmetric (same offsets on every rank).
+  char* dispatch_staging;     // [max_tokens] token strides, this rank's packed tokens
+  char* dispatch_slots;       // [L][world][slots_per_region] token strides, rows arriving here
+  uint64_t* dispatch_count;   // [L][world] count + 1 (0 = not yet), SET by the source
+  uint64_t* dispatch_arrived; // [L][world] rows landed, ADD 1 per put-with-signal
+  char* combine_staging;      // [capacity] combine rows, this rank's expert outputs
+  char* combine_slots;        // [max_tokens][K] combine rows arriving here
+  uint64_t* combine_arrived;  // [max_tokens] rows landed per token
+  uint64_t* sync_flags;       // [world] 1 = that peer finished reading its dispatch buffers
+  size_t symmetric_bytes;
+};
+
+// Offsets into the staged token stride.
+inline JMC_HOST_DEVICE int scales_offset(const Sizes& s) { return s.payload_bytes; }
+inline JMC_HOST_DEVICE int header_offset(const Sizes& s) { return s.payload_bytes + 4 * s.scale_cols; }
+inline JMC_HOST_DEVICE size_t round_up16(size_t n) { return (n + 15) / 16 * 16; }
+
+}  // namespace jmc

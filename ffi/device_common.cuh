@@ -1,0 +1,97 @@
+// Device helpers shared by the four kernel phases: bounded waits, warp copies, status reporting, routing rules.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "context.h"
+
+namespace jmc {
+
+__device__ inline uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Records the first error of a call into status (zeroed before the launch); later errors keep the first.
+__device__ inline void report(int32_t* status, int32_t code, int32_t phase, int32_t a, int32_t b) {
+  if (atomicCAS(reinterpret_cast<int*>(&status[0]), 0, code) == 0) {
+    status[1] = phase;
+    status[2] = a;
+    status[3] = b;
+  } else {
+    atomicOr(reinterpret_cast<int*>(&status[0]), code);
+  }
+}
+
+// Waits until *word >= value. Polls the local word with plain volatile loads so the wait can give up after
+// timeout_ns (reporting kTimeout naming `peer`); once satisfied, nvshmem_uint64_wait_until (which then returns
+// at once) gives the memory ordering that makes the signalled payload visible.
+__device__ inline bool wait_at_least(uint64_t* word, uint64_t value, const Sizes& s, int32_t* status,
+                                     Phase phase, int peer) {
+  volatile uint64_t* v = word;
+  if (*v < value) {
+    const uint64_t deadline = now_ns() + s.timeout_ns;
+    while (*v < value) {
+      if (now_ns() > deadline) {
+        report(status, kTimeout, phase, peer, s.rank);
+        return false;
+      }
+      __nanosleep(32);
+    }
+  }
+  nvshmem_uint64_wait_until(word, NVSHMEM_CMP_GE, value);
+  return true;
+}
+
+// True if slot k of a token routes somewhere: a valid id not repeated in an earlier slot.
+__device__ inline bool slot_is_live(const int32_t* ids, int k, int num_experts) {
+  const int e = ids[k];
+  if (e < 0 || e >= num_experts) return false;
+  for (int j = 0; j < k; ++j)
+    if (ids[j] == e) return false;
+  return true;
+}
+
+// Warp-cooperative copy of `bytes` (a multiple of 16, 16-byte aligned ends) or a byte tail otherwise.
+__device__ inline void warp_copy(void* dst, const void* src, int bytes, int lane) {
+  const int vecs = bytes / 16;
+  auto* d4 = reinterpret_cast<int4*>(dst);
+  auto* s4 = reinterpret_cast<const int4*>(src);
+  for (int i = lane; i < vecs; i += 32) d4[i] = s4[i];
+  auto* d = reinterpret_cast<char*>(dst);
+  auto* s = reinterpret_cast<const char*>(src);
+  for (int i = vecs * 16 + lane; i < bytes; i += 32) d[i] = s[i];
+}
+
+__device__ inline void warp_zero(void* dst, int bytes, int lane) {
+  const int vecs = bytes / 16;
+  auto* d4 = reinterpret_cast<int4*>(dst);
+  for (int i = lane; i < vecs; i += 32) d4[i] = make_int4(0, 0, 0, 0);
+  auto* d = reinterpret_cast<char*>(dst);
+  for (int i = vecs * 16 + lane; i < bytes; i += 32) d[i] = 0;
+}
+
+// Launch helpers (host side), one per phase; each returns the CUDA error of its launch.
+struct DispatchSendArgs {
+  const void* x; const float* scales; const int32_t* topk_ids; const int32_t* num_tokens; int32_t* status;
+};
+struct DispatchRecvArgs {
+  void* expert_x; float* expert_scales; int32_t* group_sizes; int32_t* row_origin; int32_t* status;
+};
+struct CombineSendArgs {
+  const void* expert_y; int elem_bytes; const int32_t* row_origin; int32_t* status;
+};
+struct CombineRecvArgs {
+  const int32_t* topk_ids; const float* topk_weights; const int32_t* num_tokens; void* out;
+  int in_dtype, out_dtype; int32_t* status;  // dtype codes: 0 bf16, 1 fp16, 2 fp32
+};
+
+cudaError_t launch_dispatch_send(const Context& ctx, const DispatchSendArgs& a, cudaStream_t stream);
+cudaError_t launch_dispatch_recv(const Context& ctx, const DispatchRecvArgs& a, cudaStream_t stream);
+cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cudaStream_t stream);
+cudaError_t launch_combine_recv(const Context& ctx, const CombineRecvArgs& a, cudaStream_t stream);
+
+}  // namespace jmc

@@ -1,0 +1,105 @@
+// XLA FFI handlers: unpack buffers, find the Context through the `ctx` attribute, launch the phase's kernel on
+// XLA's stream. No host synchronisation and no collective host work happens here.
+#include <string>
+
+#include "device_common.cuh"
+#include "handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jmc {
+namespace {
+
+const Context& context_of(int64_t ctx) { return *reinterpret_cast<const Context*>(ctx); }
+
+ffi::Error launched(cudaError_t err, const char* phase) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_moe_comm ") + phase + ": CUDA launch failed: " +
+                              cudaGetErrorString(err));
+}
+
+int dtype_code(ffi::DataType t) {  // shared with combine_recv.cu
+  switch (t) {
+    case ffi::DataType::BF16: return 0;
+    case ffi::DataType::F16: return 1;
+    default: return 2;
+  }
+}
+
+ffi::Error DispatchSend(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
+                        ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::S32> num_tokens,
+                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t ctx) {
+  DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
+                     status->typed_data()};
+  return launched(launch_dispatch_send(context_of(ctx), a, stream), "dispatch_send");
+}
+
+ffi::Error DispatchRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status: orders recv after send*/,
+                        ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,
+                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes, ffi::Result<ffi::Buffer<ffi::S32>> row_origin,
+                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t ctx) {
+  DispatchRecvArgs a{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
+                     row_origin->typed_data(), status->typed_data()};
+  return launched(launch_dispatch_recv(context_of(ctx), a, stream), "dispatch_recv");
+}
+
+ffi::Error CombineSend(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> row_origin,
+                       ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t ctx) {
+  CombineSendArgs a{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
+                    row_origin.typed_data(), status->typed_data()};
+  return launched(launch_combine_send(context_of(ctx), a, stream), "combine_send");
+}
+
+ffi::Error CombineRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status*/, ffi::Buffer<ffi::S32> topk_ids,
+                       ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t ctx,
+                       int64_t in_dtype) {
+  CombineRecvArgs a{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
+                    static_cast<int>(in_dtype), dtype_code(out->element_type()), status->typed_data()};
+  return launched(launch_combine_recv(context_of(ctx), a, stream), "combine_recv");
+}
+
+}  // namespace
+}  // namespace jmc
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("ctx"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_recv, jmc::DispatchRecv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("ctx"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("ctx"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("ctx")
+                                  .Attr<int64_t>("in_dtype"));

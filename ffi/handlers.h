@@ -1,0 +1,11 @@
+// The four XLA FFI handler symbols (C ABI), registered from Python through nanobind capsules.
+#pragma once
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* jmc_dispatch_send(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jmc_dispatch_recv(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jmc_combine_send(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jmc_combine_recv(XLA_FFI_CallFrame* call_frame);
+}

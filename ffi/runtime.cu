@@ -1,0 +1,128 @@
+// Host side of NVSHMEM: unique id, init/attach, finalize, and the symmetric buffers of each MoEComm.
+// Everything here is collective across ranks where NVSHMEM says so (init, malloc, free, barrier); it runs from
+// Python at setup time, never inside an XLA handler.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstring>
+#include <string>
+
+#include "runtime.h"
+
+namespace jmc {
+
+BuildInfo build_info() {
+  int runtime = 0;
+  cudaRuntimeGetVersion(&runtime);
+  return BuildInfo{NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION, NVSHMEM_VENDOR_PATCH_VERSION,
+                   CUDART_VERSION, runtime};
+}
+
+std::string unique_id() {
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  if (nvshmemx_get_uniqueid(&id) != 0) return {};
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+int init(const std::string& uid, int rank, int nranks, int device) {
+  if (uid.size() != sizeof(nvshmemx_uniqueid_t)) return -1;
+  if (cudaSetDevice(device) != cudaSuccess) return -2;
+  nvshmemx_uniqueid_t id;
+  std::memcpy(&id, uid.data(), sizeof(id));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr);
+  // The body of nvshmemx_init_attr without its exit(-1) on failure. nvshmemi_init_thread lives in
+  // libnvshmem_device.a, linked into this library, so this call also attaches this library's own device state
+  // (a separately device-linked library has its own copy) when another module initialized the host library.
+  nvshmemx_init_init_attr_ver_only(attr);
+  nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                NVSHMEM_VENDOR_PATCH_VERSION};
+  int provided = 0;
+  return nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version);
+}
+
+int init_status() { return nvshmemx_init_status(); }
+int my_pe() { return nvshmem_my_pe(); }
+int n_pes() { return nvshmem_n_pes(); }
+void finalize() { nvshmem_finalize(); }
+
+std::pair<int, int> host_version() {
+  int major = 0, minor = 0;
+  nvshmem_info_get_version(&major, &minor);
+  return {major, minor};
+}
+
+namespace {
+
+struct Layout {  // byte sizes of each symmetric buffer
+  size_t dispatch_staging, dispatch_slots, dispatch_words, combine_staging, combine_slots, combine_words, sync;
+  size_t total() const {
+    return dispatch_staging + dispatch_slots + 2 * dispatch_words + combine_staging + combine_slots + combine_words +
+           sync;
+  }
+};
+
+Layout layout_of(const Sizes& s) {
+  const size_t regions = static_cast<size_t>(s.local_experts) * s.world;
+  return Layout{
+      static_cast<size_t>(s.max_tokens) * s.token_stride,
+      regions * s.slots_per_region * s.token_stride,
+      regions * sizeof(uint64_t),
+      static_cast<size_t>(s.capacity) * s.combine_stride,
+      static_cast<size_t>(s.max_tokens) * s.experts_per_token * s.combine_stride,
+      static_cast<size_t>(s.max_tokens) * sizeof(uint64_t),
+      static_cast<size_t>(s.world) * sizeof(uint64_t),
+  };
+}
+
+}  // namespace
+
+size_t symmetric_bytes(const Sizes& s) { return layout_of(s).total(); }
+
+Context* create_context(const Sizes& sizes, std::string* error) {
+  const Layout bytes = layout_of(sizes);
+  // One allocation (collective: same size on every rank), carved into the buffers; zeroed once, after which
+  // every counter is reset by the phase that consumed it.
+  char* base = static_cast<char*>(nvshmem_malloc(bytes.total()));
+  if (base == nullptr) {
+    *error = "nvshmem_malloc of " + std::to_string(bytes.total()) +
+             " bytes failed: the symmetric heap is too small; set NVSHMEM_SYMMETRIC_SIZE (before "
+             "jax_moe_comm.initialize) to at least the sum of comm.symmetric_bytes of every MoEComm, plus margin";
+    return nullptr;
+  }
+  if (cudaMemset(base, 0, bytes.total()) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+    *error = "cudaMemset of the symmetric buffers failed";
+    nvshmem_free(base);
+    return nullptr;
+  }
+  auto* ctx = new Context{};
+  ctx->s = sizes;
+  char* p = base;
+  auto take = [&p](size_t n) { char* q = p; p += n; return q; };
+  ctx->dispatch_staging = take(bytes.dispatch_staging);
+  ctx->dispatch_slots = take(bytes.dispatch_slots);
+  ctx->dispatch_count = reinterpret_cast<uint64_t*>(take(bytes.dispatch_words));
+  ctx->dispatch_arrived = reinterpret_cast<uint64_t*>(take(bytes.dispatch_words));
+  ctx->combine_staging = take(bytes.combine_staging);
+  ctx->combine_slots = take(bytes.combine_slots);
+  ctx->combine_arrived = reinterpret_cast<uint64_t*>(take(bytes.combine_words));
+  ctx->sync_flags = reinterpret_cast<uint64_t*>(take(bytes.sync));
+  ctx->symmetric_bytes = bytes.total();
+  nvshmem_barrier_all();  // every rank's buffers are zero before anyone may put into them
+  return ctx;
+}
+
+void destroy_context(Context* ctx) {
+  nvshmem_barrier_all();
+  nvshmem_free(ctx->dispatch_staging);  // the start of the single allocation
+  delete ctx;
+}
+
+int sm_count() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms;
+}
+
+}  // namespace jmc

@@ -1,0 +1,31 @@
+// Host API of the extension (plain C++: included by the nanobind bindings, which the host compiler builds).
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+#include "context.h"
+
+namespace jmc {
+
+struct BuildInfo {
+  int nvshmem_major, nvshmem_minor, nvshmem_patch;  // NVSHMEM headers/device library at build time
+  int cudart_build, cudart_runtime;
+};
+
+BuildInfo build_info();
+std::string unique_id();                                      // 128 bytes; empty on failure
+int init(const std::string& uid, int rank, int nranks, int device);  // 0 on success; attaches if already initialized
+int init_status();
+int my_pe();
+int n_pes();
+void finalize();
+std::pair<int, int> host_version();                           // of the loaded libnvshmem_host
+
+size_t symmetric_bytes(const Sizes& sizes);
+Context* create_context(const Sizes& sizes, std::string* error);  // collective
+void destroy_context(Context* ctx);                                // collective
+int sm_count();
+
+}  // namespace jmc

@@ -1,0 +1,172 @@
+"""The NVSHMEM backend: the four phases as XLA FFI custom calls on the CUDA kernels in ``ffi/``.
+
+Same signatures, layout and handle as ``reference``. Each phase is a ``jax.ffi.ffi_call`` (a JAX primitive with
+its abstract shapes and CUDA lowering) with ``has_side_effect=True`` so XLA never drops or merges it; the order
+comes from data: dispatch_send's status feeds dispatch_recv, whose row_origin feeds combine_send, whose status
+feeds combine_recv. A MoEComm's calls must form one protocol at a time (see MoEComm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from . import _native, errors, runtime
+from .config import Geometry, MoECommConfig
+from .types import CombineHandle, Dispatched
+
+THREADS = 256            # 8 warps per block
+MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
+_DTYPE_CODE = {np.dtype(jnp.bfloat16): 0, np.dtype(jnp.float16): 1, np.dtype(jnp.float32): 2}
+_registered = False
+
+
+def _register_targets() -> None:
+    global _registered
+    if not _registered:
+        for name, capsule in _native.ext.handlers().items():
+            jax.ffi.register_ffi_target(f"jmc_{name}", capsule, platform="CUDA")
+        _registered = True
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132) -> dict[str, int]:
+    """The ``Sizes`` struct of ffi/context.h for one rank."""
+    geo = Geometry(cfg, world, "")
+    payload = cfg.hidden * np.dtype(cfg.dtype).itemsize
+    warps = THREADS // 32
+    work = max(cfg.num_experts, cfg.max_tokens, geo.capacity)
+    return dict(
+        rank=rank, world=world, dp_size=cfg.dp_size, num_dp=geo.num_dp, max_tokens=cfg.max_tokens,
+        experts_per_token=cfg.experts_per_token, hidden=cfg.hidden, num_experts=cfg.num_experts,
+        local_experts=geo.L, capacity=geo.capacity, align=cfg.align, payload_bytes=payload,
+        scale_cols=cfg.scale_cols,
+        token_stride=_round16(payload + 4 * cfg.scale_cols + 4 * (1 + cfg.experts_per_token)),
+        slots_per_region=-(-cfg.max_tokens // cfg.dp_size),
+        combine_stride=_round16(cfg.hidden * np.dtype(cfg.out_dtype).itemsize),
+        timeout_ns=int(float(os.environ.get("JAX_MOE_COMM_TIMEOUT_S", "30")) * 1e9),
+        num_blocks=max(1, min(sm_count, math.ceil(work / warps))), threads=THREADS,
+    )
+
+
+def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
+    """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (the layout of ffi/runtime.cu)."""
+    s = kernel_sizes(cfg, world, 0)
+    regions = s["local_experts"] * world
+    return (s["max_tokens"] * s["token_stride"] + regions * s["slots_per_region"] * s["token_stride"]
+            + 2 * regions * 8 + s["capacity"] * s["combine_stride"]
+            + s["max_tokens"] * s["experts_per_token"] * s["combine_stride"] + s["max_tokens"] * 8 + world * 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A Geometry plus this rank's NVSHMEM context (the address the handlers receive as attribute `ctx`)."""
+
+    geo: Geometry
+    ctx: int
+
+
+def create_plan(geo: Geometry, mesh) -> Plan:
+    """Collective (every process, same order): allocates one MoEComm's symmetric buffers."""
+    rt = runtime.current()
+    if rt is None:
+        raise RuntimeError("backend='nvshmem' needs jax_moe_comm.initialize() first (after jax.distributed)")
+    cfg = geo.cfg
+    if cfg.experts_per_token > MAX_EXPERTS_PER_TOKEN:
+        raise ValueError(f"experts_per_token must be <= {MAX_EXPERTS_PER_TOKEN} on the NVSHMEM backend")
+    if geo.world != rt.world:
+        raise ValueError(f"mesh axis {geo.axis_name!r} has {geo.world} devices but NVSHMEM has {rt.world} ranks; "
+                         "the EP axis must span every process")
+    devices = list(mesh.devices.reshape(-1)) if mesh.devices.size == geo.world else None
+    if devices is None or devices.index(rt.device) != rt.rank:
+        raise ValueError(f"the EP axis must order devices by process (rank {rt.rank} at position {rt.rank}); "
+                         "build the mesh from jax.devices()")
+    _register_targets()
+    sizes = kernel_sizes(cfg, geo.world, rt.rank, _native.ext.sm_count())
+    return Plan(geo, _native.ext.create_context(sizes))
+
+
+def destroy_plan(plan: Plan) -> None:
+    _native.ext.destroy_context(plan.ctx)
+
+
+def _pytree(cls, meta=()):
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=list(meta))
+
+
+@_pytree
+class PendingDispatch:
+    """dispatch_send's status (its arrival orders dispatch_recv after it) and what combine will need."""
+
+    status: Array
+    topk_ids: Array
+    num_tokens: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingCombine:
+    status: Array
+    topk_ids: Array
+    num_tokens: Array
+    in_dtype: int  # static: dtype code of expert_y rows in flight
+
+
+jax.tree_util.register_dataclass(PendingCombine, data_fields=["status", "topk_ids", "num_tokens"],
+                                 meta_fields=["in_dtype"])
+
+_STATUS = jax.ShapeDtypeStruct((errors.STATUS_WORDS,), jnp.int32)
+
+
+def _call(name: str, results, plan: Plan, *args, **attrs):
+    return jax.ffi.ffi_call(f"jmc_{name}", results, has_side_effect=True)(*args, ctx=np.int64(plan.ctx), **attrs)
+
+
+def _rank(plan: Plan) -> Array:
+    return jax.lax.axis_index(plan.geo.axis_name)
+
+
+def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> PendingDispatch:
+    if scales is None:
+        scales = jnp.zeros((plan.geo.T, 0), jnp.float32)
+    status = _call("dispatch_send", _STATUS, plan, x, scales, topk_ids, num_tokens)
+    return PendingDispatch(status, topk_ids, num_tokens)
+
+
+def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
+    geo, cfg = plan.geo, plan.geo.cfg
+    results = (
+        jax.ShapeDtypeStruct((geo.capacity, cfg.hidden), cfg.dtype),
+        jax.ShapeDtypeStruct((geo.capacity, cfg.scale_cols), jnp.float32),
+        jax.ShapeDtypeStruct((geo.L,), jnp.int32),
+        jax.ShapeDtypeStruct((geo.capacity,), jnp.int32),
+        _STATUS,
+    )
+    expert_x, expert_scales, group_sizes, row_origin, status = _call("dispatch_recv", results, plan, p.status)
+    errors.check(errors.first_failure(p.status, status), _rank(plan))
+    handle = CombineHandle(row_origin=row_origin, topk_ids=p.topk_ids, num_tokens=p.num_tokens)
+    return Dispatched(expert_x, expert_scales if cfg.is_fp8 else None, group_sizes, handle)
+
+
+def combine_send(plan: Plan, expert_y: Array, handle: CombineHandle) -> PendingCombine:
+    status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin)
+    return PendingCombine(status, handle.topk_ids, handle.num_tokens, _DTYPE_CODE[np.dtype(expert_y.dtype)])
+
+
+def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array) -> Array:
+    cfg = plan.geo.cfg
+    results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS)
+    y, status = _call("combine_recv", results, plan, q.status, q.topk_ids, topk_weights, q.num_tokens,
+                      in_dtype=np.int64(q.in_dtype))
+    errors.check(errors.first_failure(q.status, status), _rank(plan))
+    return y

@@ -1,0 +1,288 @@
+"""NVSHMEM backend vs the reference backend, one process per GPU (run through jax_moe_comm.launch).
+
+    python -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py [--seed S] [--only NAME]
+
+Every case builds fresh random routing, runs both backends on the same global arrays and compares: layout
+bit-exact (expert_x and expert_scales rows that hold tokens, group_sizes, handle.row_origin), combine within the
+dtype's tolerance. Prints one line per case and a closing 'N passed, M failed'. Exit code 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_moe_comm as jmc
+from jax_moe_comm.launch import initialize_distributed
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
+
+
+def routing(rng, kind: str, rows: int, cfg: jmc.MoECommConfig, world: int) -> np.ndarray:
+    """topk_ids [rows, K]: distinct experts per token, with variants."""
+    E, K = cfg.num_experts, cfg.experts_per_token
+    ids = np.argsort(rng.random((rows, E)), axis=1)[:, :K].astype(np.int32)
+    if kind == "skewed":  # every token picks expert 0 first
+        ids = np.argsort(rng.random((rows, E - 1)), axis=1)[:, : K - 1].astype(np.int32) + 1
+        ids = np.concatenate([np.zeros((rows, 1), np.int32), ids], axis=1)
+    elif kind == "rank0_only":  # the last rank receives nothing
+        L = E // world
+        ids = np.argsort(rng.random((rows, L * (world - 1))), axis=1)[:, :K].astype(np.int32)
+    elif kind == "dropped":  # random -1 slots
+        ids = np.where(rng.random(ids.shape) < 0.3, -1, ids).astype(np.int32)
+    return ids
+
+
+def replicate_groups(a: np.ndarray, world: int, dp: int, T: int) -> np.ndarray:
+    """Make the dp ranks of each DP group hold identical rows (copy the group's first rank)."""
+    a = a.reshape((world // dp, dp, T) + a.shape[1:])
+    return np.broadcast_to(a[:, :1], a.shape).reshape((world * T,) + a.shape[3:]).copy()
+
+
+def to_global(mesh: Mesh, host: np.ndarray) -> jax.Array:
+    sharding = NamedSharding(mesh, P("ep"))
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def gather(tree):
+    return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
+
+
+def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", check_split=False):
+    world = mesh.shape["ep"]
+    rng = np.random.default_rng(seed)
+    T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
+    rows = world * T
+    x = rng.standard_normal((rows, H)).astype(np.float32)
+    ids = routing(rng, kind, rows, cfg, world)
+    w = rng.random((rows, K)).astype(np.float32)
+    counts = {"full": np.full(world, T), "zero": np.zeros(world), "partial": rng.integers(0, T + 1, world)}[num_tokens]
+    x, ids, w = (replicate_groups(a, world, cfg.dp_size, T) for a in (x, ids, w))
+    counts = replicate_groups(counts.astype(np.int32).reshape(world, 1), world, cfg.dp_size, 1).reshape(world)
+    scales = None
+    if cfg.is_fp8:
+        scales = to_global(mesh, (rng.random((rows, cfg.scale_cols)) + 0.5).astype(np.float32))
+    xg = to_global(mesh, x.astype(cfg.dtype))
+    ids_g, w_g, n_g = to_global(mesh, ids), to_global(mesh, w), to_global(mesh, counts)
+
+    results = {}
+    for backend in ("nvshmem", "reference"):
+        comm = jmc.MoEComm(cfg, mesh, "ep", backend=backend)
+
+        @jax.jit
+        def round_trip(x, ids, scales, n, w, comm=comm):
+            d = jmc.dispatch(comm, x, ids, scales, n)
+            y = (d.expert_x.astype(jnp.float32) * 1.5).astype(cfg.out_dtype)  # stand-in expert
+            return d, jmc.combine(comm, y, d.handle, w)
+
+        d, y = round_trip(xg, ids_g, scales, n_g, w_g)
+        results[backend] = gather((d, y))
+        if check_split and backend == "nvshmem":
+            split = jax.jit(jax.shard_map(
+                lambda x, ids, n, w, comm=comm: split_halves(comm, x, ids, n, w), mesh=mesh,
+                in_specs=P("ep"), out_specs=P("ep")))
+            y_split = gather(split(xg, ids_g, n_g, w_g))
+            assert np.array_equal(y_split, results[backend][1]), "split halves differ from fused calls"
+        comm.close()
+
+    (dn, yn), (dr, yr) = results["nvshmem"], results["reference"]
+    L = cfg.num_experts // world
+    cap = dn.expert_x.shape[0] // world
+    assert np.array_equal(dn.group_sizes, dr.group_sizes), "group_sizes differ"
+    assert np.array_equal(dn.handle.row_origin, dr.handle.row_origin), "row_origin differs"
+    for r in range(world):
+        used = int(dr.group_sizes[r * L:(r + 1) * L].sum())
+        sl = slice(r * cap, r * cap + used)
+        assert np.array_equal(dn.expert_x[sl].view(np.uint8), dr.expert_x[sl].view(np.uint8)), f"expert_x rank {r}"
+        if cfg.is_fp8:
+            assert np.array_equal(dn.expert_scales[sl], dr.expert_scales[sl]), f"expert_scales rank {r}"
+    tol = TOLERANCE[np.dtype(cfg.out_dtype).name]
+    yn32, yr32 = yn.astype(np.float32), yr.astype(np.float32)
+    err = float(np.abs(yn32 - yr32).max() / max(np.abs(yr32).max(), 1e-30))
+    assert err <= tol, f"combine rel err {err:.2e} > {tol}"
+    return f"rows {int(dr.group_sizes.sum())}, combine rel err {err:.1e}"
+
+
+def split_halves(comm, x, ids, n, w):
+    """dispatch_send; independent compute; dispatch_recv; combine_send; independent compute; combine_recv."""
+    p = comm.dispatch_send(x, ids, None, n.reshape(()))
+    busy = jnp.tanh(x.astype(jnp.float32) @ x.astype(jnp.float32).T).sum()  # overlaps the transfer
+    d = comm.dispatch_recv(p)
+    y = (d.expert_x.astype(jnp.float32) * 1.5).astype(comm.cfg.out_dtype)
+    q = comm.combine_send(y, d.handle)
+    busy = busy + jnp.sin(busy)
+    out = comm.combine_recv(q, w)
+    return out + (busy * 0).astype(out.dtype)
+
+
+def case_scan_layers(mesh, seed):
+    """4 layers under lax.scan in one jit: each layer's output feeds the next dispatch."""
+    world = mesh.shape["ep"]
+    cfg = jmc.MoECommConfig(16, 4, 128, 32, dtype=jnp.float32, out_dtype=jnp.float32)
+    rng = np.random.default_rng(seed)
+    x = to_global(mesh, rng.standard_normal((world * 32, 128)).astype(np.float32))
+    ids = to_global(mesh, np.stack([np.argsort(rng.random((world * 32, 16)), 1)[:, :4] for _ in range(4)]).astype(
+        np.int32).transpose(1, 0, 2).reshape(world * 32, 16))
+    w = to_global(mesh, rng.random((world * 32, 16)).astype(np.float32) / 4)
+    outs = {}
+    for backend in ("nvshmem", "reference"):
+        comm = jmc.MoEComm(cfg, mesh, "ep", backend=backend)
+
+        def layers(x, ids, w, comm=comm):
+            def layer(h, xs):
+                ids_l, w_l = xs
+                d = comm.dispatch(h, ids_l)
+                return comm.combine(d.expert_x * 0.9 + 0.1, d.handle, w_l), None
+            xs = (ids.reshape(32, 4, 4).transpose(1, 0, 2), w.reshape(32, 4, 4).transpose(1, 0, 2))
+            return jax.lax.scan(layer, x, xs)[0]
+
+        f = jax.jit(jax.shard_map(layers, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        outs[backend] = gather(f(x, ids, w))
+        comm.close()
+    err = np.abs(outs["nvshmem"] - outs["reference"]).max() / np.abs(outs["reference"]).max()
+    assert err < 1e-5, f"scan over layers rel err {err}"
+    return f"rel err {err:.1e}"
+
+
+def case_repeat(mesh, seed, calls=200):
+    """200 calls of one jitted round trip on fresh data each time equal the reference: no drift, no stale state."""
+    world = mesh.shape["ep"]
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
+    ref = jmc.MoEComm(cfg, mesh, "ep", backend="reference")
+    def trip(c, x, i, w):
+        d = jmc.dispatch(c, x, i)
+        return jmc.combine(c, d.expert_x, d.handle, w)
+
+    f = jax.jit(trip, static_argnums=0)
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for i in range(calls):
+        x = to_global(mesh, rng.standard_normal((world * 16, 64)).astype(np.float32))
+        ids = to_global(mesh, np.argsort(rng.random((world * 16, 8)), 1)[:, :2].astype(np.int32))
+        w = to_global(mesh, rng.random((world * 16, 2)).astype(np.float32))
+        if i % 20 == 0 or i == calls - 1:
+            a, b = gather(f(comm, x, ids, w)), gather(f(ref, x, ids, w))
+            worst = max(worst, float(np.abs(a - b).max()))
+        else:
+            f(comm, x, ids, w)
+    assert worst < 1e-5, f"drift: max abs diff {worst}"
+    comm.close()
+    return f"{calls} calls, max abs diff {worst:.1e}"
+
+
+def case_bad_ids(mesh, seed):
+    """An expert id >= E fails the call with a message; the protocol still completes on every rank."""
+    world = mesh.shape["ep"]
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
+    ids = np.tile(np.array([[0, 5]], np.int32), (world * 16, 1))
+    ids[3, 1] = 99
+    x = to_global(mesh, np.ones((world * 16, 64), np.float32))
+    w = to_global(mesh, np.ones((world * 16, 2), np.float32))
+
+    @jax.jit
+    def f(x, i, w):
+        d = jmc.dispatch(comm, x, i)
+        return jmc.combine(comm, d.expert_x, d.handle, w)
+
+    try:
+        f(x, to_global(mesh, ids), w).block_until_ready()
+    except Exception as exc:  # JaxRuntimeError carrying MoECommError's text
+        assert "outside [-1, num_experts)" in str(exc), str(exc)[:500]
+        return "raised: " + str(exc).split("jax_moe_comm:")[-1].split("\n")[0][:100]
+    finally:
+        comm.close()
+    raise AssertionError("no error raised for expert id 99")
+
+
+def case_timeout(mesh, seed):
+    """Rank 1 skips a call: rank 0's dispatch_recv times out naming the phase and peer, and does not hang."""
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
+    rank = jax.process_index()
+    x = jnp.ones((16, 64), jnp.float32)
+    ids = jnp.tile(jnp.array([[0, 5]], jnp.int32), (16, 1))
+    local = jax.local_devices()[0]
+
+    if rank == 1:
+        return "rank 1 skipped the call"
+    # Rank 0 alone: a one-device program calling the per-shard phases of the same context.
+    single = Mesh(np.array([local]), ("ep",))
+    f = jax.jit(jax.shard_map(lambda x, i: comm._impl.dispatch_recv(comm._plan, comm._impl.dispatch_send(
+        comm._plan, x, i, None, jnp.int32(16))).expert_x, mesh=single, in_specs=P(), out_specs=P(),
+        check_vma=False))
+    start = time.time()
+    try:
+        f(x, ids).block_until_ready()
+    except Exception as exc:
+        text = str(exc)
+        assert "timed out" in text and "dispatch_recv" in text, text[:500]
+        return f"raised after {time.time() - start:.1f}s: " + text.split("jax_moe_comm:")[-1].split("\n")[0][:100]
+    raise AssertionError("no timeout raised")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
+    parser.add_argument("--only", default="")
+    args = parser.parse_args()
+    initialize_distributed()
+    jmc.initialize(symmetric_size="8G")
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    world = mesh.shape["ep"]
+    seed = int(multihost_utils.broadcast_one_to_all(np.int32(args.seed)))  # every rank draws the same data
+    C = jmc.MoECommConfig
+    f32, bf16, f16, fp8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
+    cases = [
+        ("fp32 K2", lambda s: run_case(mesh, s, "", C(8, 2, 128, 16, dtype=f32, out_dtype=f32), check_split=True)),
+        ("bf16 K8 E32", lambda s: run_case(mesh, s, "", C(32, 8, 256, 32, dtype=bf16))),
+        ("fp16 K4", lambda s: run_case(mesh, s, "", C(16, 4, 128, 24, dtype=f16, out_dtype=f16))),
+        ("fp8+scales K8 R1-like", lambda s: run_case(mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128))),
+        ("K1", lambda s: run_case(mesh, s, "", C(8, 1, 64, 16, dtype=f32, out_dtype=f32))),
+        ("L1 (E == world)", lambda s: run_case(mesh, s, "", C(world, 1, 64, 16, dtype=f32, out_dtype=f32))),
+        ("align 8", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=bf16, align=8))),
+        ("num_tokens 0", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32), num_tokens="zero")),
+        ("num_tokens partial", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32),
+                                                  num_tokens="partial", check_split=True)),
+        ("skewed: all to expert 0", lambda s: run_case(mesh, s, "", C(8, 3, 64, 32, dtype=bf16), kind="skewed")),
+        ("a rank receives nothing", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=bf16), kind="rank0_only")),
+        ("-1 slots", lambda s: run_case(mesh, s, "", C(8, 4, 64, 16, dtype=f32, out_dtype=f32), kind="dropped")),
+        ("dp_size 2", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32, dp_size=2),
+                                         num_tokens="partial")),
+        ("scan over 4 layers", lambda s: case_scan_layers(mesh, s)),
+        ("200 repeated calls", lambda s: case_repeat(mesh, s)),
+        ("bad expert id", lambda s: case_bad_ids(mesh, s)),
+        ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: leaves the protocol broken
+    ]
+    passed = failed = 0
+    for i, (name, fn) in enumerate(cases):
+        if args.only and args.only not in name:
+            continue
+        t0 = time.time()
+        try:
+            info = fn(seed + i)
+            ok = True
+        except Exception as exc:  # report and go on to the next case
+            info, ok = f"{type(exc).__name__}: {str(exc)[:400]}", False
+            traceback.print_exc(file=sys.stderr)
+        passed, failed = passed + ok, failed + (not ok)
+        if jax.process_index() == 0:
+            print(f"{'PASS' if ok else 'FAIL'} {name} ({time.time() - t0:.1f}s, seed {seed + i}): {info}", flush=True)
+    if jax.process_index() == 0:
+        print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Build the CUDA extension and run the GPU tests, demo and benchmark on a machine with 2 GPUs (one call).
+#   bash tests/gpu/run.sh            # logs under $OUT (or /tmp/jmc_gpu_out)
+# Builds offline (every build dependency is expected installed); a carried .whl/ folder (nvshmem4py) is installed
+# into /tmp/site first. Prints a summary last.
+set -u -o pipefail
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
+export NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 JAX_MOE_COMM_TIMEOUT_S=10 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jmc_gpu_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD
+step() { echo "=== $*" | tee -a "$OUT/summary.txt"; }
+
+step "$(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+nvidia-smi -L | tee -a "$OUT/summary.txt"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+fi
+python3 -c "import jax; print('jax', jax.__version__)" | tee -a "$OUT/summary.txt"
+
+step "build"
+timeout 400 cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v python3)" \
+  -DJAX_MOE_COMM_CUDA_ARCHITECTURES="${ARCHS:-90}" > "$OUT/build.log" 2>&1 &&
+  timeout 400 cmake --build build/gpu >> "$OUT/build.log" 2>&1 &&
+  cp build/gpu/_nvshmem_ext*.so jax_moe_comm/ || { tail -30 "$OUT/build.log"; step "build FAILED"; exit 1; }
+python3 -c "import jax_moe_comm as j; print(j.build_info())" | tee -a "$OUT/summary.txt"
+
+step "bootstrap (nvshmem4py, else the extension's own init)"
+if ! timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py 2>&1 | tee "$OUT/bootstrap.log"; then
+  export JAX_MOE_COMM_BOOTSTRAP=extension
+  timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py 2>&1 | tee -a "$OUT/bootstrap.log"
+fi
+grep "NVSHMEM up" "$OUT/bootstrap.log" | tee -a "$OUT/summary.txt"
+
+step "NVSHMEM vs reference cases"
+timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
+  > "$OUT/cases.log" 2>&1
+grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$OUT/cases.log" | tee -a "$OUT/summary.txt"
+
+step "demo through the launcher"
+timeout 300 python3 -m jax_moe_comm.launch -n 2 -- python -m jax_moe_comm.demo > "$OUT/demo.log" 2>&1
+tail -12 "$OUT/demo.log" | tee -a "$OUT/summary.txt"
+
+if [ -n "${BENCH:-}" ]; then
+  step "bench"
+  timeout 500 python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.bench $BENCH > "$OUT/bench.log" 2>&1
+  tail -40 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
+step "done"

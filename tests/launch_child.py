@@ -1,0 +1,67 @@
+"""Worker script for tests/test_launch.py, started through ``python -m jax_moe_comm.launch``.
+
+Modes (argv[1]):
+  allgather  join the job, check process_count == argv[2], all-gather the process indices across processes
+  fail       rank 1 exits with status 3 at once; every other rank sleeps 60 s
+  sleep      every rank sleeps 60 s
+  env        print the launcher's environment variables (no JAX)
+"""
+
+import os
+import sys
+import time
+
+
+def allgather(expected: int) -> None:
+    from jax_moe_comm.launch import initialize_distributed
+
+    process_id, num_processes = initialize_distributed()
+    assert initialize_distributed() == (process_id, num_processes)  # idempotent
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    assert jax.process_count() == num_processes == expected, (jax.process_count(), num_processes, expected)
+    assert jax.process_index() == process_id
+    assert all(d.platform == "cpu" for d in jax.devices())
+    gathered = multihost_utils.process_allgather(np.array([process_id], np.int32))
+    assert sorted(np.asarray(gathered).ravel().tolist()) == list(range(expected)), gathered
+    print(f"OK process {process_id}/{num_processes} gathered={np.asarray(gathered).ravel().tolist()}")
+    print(f"stderr line from {process_id}", file=sys.stderr)
+
+
+def fail() -> None:
+    if os.environ["JAX_PROCESS_ID"] == "1":
+        print("rank 1 failing", flush=True)
+        sys.exit(3)
+    print("sleeping", flush=True)
+    time.sleep(60)
+
+
+def sleep() -> None:
+    print("sleeping", flush=True)
+    time.sleep(60)
+
+
+def env() -> None:
+    keys = ["JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_RANK", "JAX_LOCAL_WORLD"]
+    keys += ["CUDA_VISIBLE_DEVICES", "JAX_PLATFORMS", "PYTHONUNBUFFERED", "NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE"]
+    keys += ["TORCH_SYMM_MEM_DISABLE_MULTICAST"]
+    for key in keys:
+        print(f"{key}={os.environ.get(key, '<unset>')}")
+    print("args=" + " ".join(sys.argv[2:]))
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "allgather":
+        allgather(int(sys.argv[2]))
+    elif mode == "fail":
+        fail()
+    elif mode == "sleep":
+        sleep()
+    elif mode == "env":
+        env()
+    else:
+        sys.exit(f"unknown mode {mode!r}")

@@ -1,0 +1,187 @@
+"""Tests of ``python -m jax_moe_comm.launch`` on the CPU platform (loopback only, no GPU).
+
+The launcher and its workers run as real subprocesses; the worker script is tests/launch_child.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jax_moe_comm.launch import LaunchError, parse_args
+
+REPO = Path(__file__).resolve().parent.parent
+CHILD = str(REPO / "tests" / "launch_child.py")
+TIMEOUT_S = 30
+
+
+def _env() -> dict[str, str]:
+    """Our environment minus anything that would leak into the workers (conftest's XLA_FLAGS, an outer launch)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    return env
+
+
+def _launcher(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jax_moe_comm.launch", *args]
+
+
+def _run(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_launcher(*args), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def test_two_cpu_processes_allgather() -> None:
+    r = _run("-n", "2", "--cpu", "--", CHILD, "allgather", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = _lines(r.stdout)
+    # A real cross-process collective (gloo on CPU): each rank sees both process indices.
+    assert "[rank 0] OK process 0/2 gathered=[0, 1]" in out
+    assert "[rank 1] OK process 1/2 gathered=[0, 1]" in out
+    assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in out), out
+    err = _lines(r.stderr)
+    assert "[rank 0] stderr line from 0" in err
+    assert "[rank 1] stderr line from 1" in err
+
+
+def test_two_nodes_one_process_each() -> None:
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            _launcher("--nnodes", "2", "--node-rank", str(node), "-n", "1", "--coordinator", coordinator, "--cpu",
+                      "--", CHILD, "allgather", "2"),
+            env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node in (0, 1)
+    ]  # fmt: skip
+    try:
+        results = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for node, (p, (out, err)) in enumerate(zip(procs, results, strict=True)):
+        assert p.returncode == 0, out + err
+        assert f"[rank {node}] OK process {node}/2 gathered=[0, 1]" in _lines(out)
+
+
+def test_fail_fast() -> None:
+    start = time.monotonic()
+    r = _run("-n", "2", "--cpu", "--", CHILD, "fail")
+    elapsed = time.monotonic() - start
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert elapsed < 10, elapsed
+    assert "[rank 1] rank 1 failing" in _lines(r.stdout)
+    assert "rank 1 exited with status 3" in r.stderr
+
+
+def test_environment_and_arguments() -> None:
+    r = _run("-n", "2", "--cpu", "--", CHILD, "env", "a", "--", "-n", "b c")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = _lines(r.stdout)
+    for rank in (0, 1):
+        got = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in out if line.startswith(f"[rank {rank}] ")}
+        p = f"[rank {rank}] "
+        assert got[p + "JAX_NUM_PROCESSES"] == "2"
+        assert got[p + "JAX_PROCESS_ID"] == str(rank)
+        assert got[p + "JAX_LOCAL_RANK"] == str(rank)
+        assert got[p + "JAX_LOCAL_WORLD"] == "2"
+        assert got[p + "JAX_COORDINATOR_ADDRESS"].startswith("127.0.0.1:")
+        assert got[p + "JAX_PLATFORMS"] == "cpu"
+        assert got[p + "CUDA_VISIBLE_DEVICES"] == "<unset>"
+        assert got[p + "PYTHONUNBUFFERED"] == "1"
+        assert got[p + "NVSHMEM_DISABLE_NVLS"] == "1"
+        assert got[p + "NCCL_NVLS_ENABLE"] == "0"
+        assert got[p + "TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+        assert got[p + "args"] == "a -- -n b c"
+
+
+def test_module_mode_and_gpu_assignment() -> None:
+    # Without --cpu each worker gets one GPU, taken from the launcher's CUDA_VISIBLE_DEVICES when that is set.
+    env = {**_env(), "CUDA_VISIBLE_DEVICES": "5,7"}
+    r = subprocess.run(_launcher("--", "-m", "launch_child", "env"), env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = _lines(r.stdout)
+    assert "[rank 0] CUDA_VISIBLE_DEVICES=5" in out
+    assert "[rank 1] CUDA_VISIBLE_DEVICES=7" in out
+    assert "[rank 1] JAX_LOCAL_WORLD=2" in out
+
+
+def _start_sleepers() -> subprocess.Popen[str]:
+    proc = subprocess.Popen(_launcher("-n", "2", "--cpu", "--", CHILD, "sleep"), env=_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    for _ in range(2):
+        assert "sleeping" in proc.stdout.readline()  # both workers are up
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_is_forwarded(sig: signal.Signals) -> None:
+    proc = _start_sleepers()
+    try:
+        start = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert time.monotonic() - start < 10
+    assert proc.returncode == 128 + sig, err  # the workers died of the forwarded signal
+    if sig == signal.SIGINT:
+        assert "[rank 0] KeyboardInterrupt" in err and "[rank 1] KeyboardInterrupt" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-n", "2", "--cpu"], "no program to run"),
+        (["-n", "2", "--cpu", "--"], "no program to run"),
+        (["-n", "0", "--cpu", "--", CHILD], "-n must be >= 1"),
+        (["-n", "two", "--cpu", "--", CHILD], "invalid int value"),
+        (["-n", "2", "--cpu", "--", "does_not_exist.py"], "script not found"),
+        (["-n", "2", "--cpu", "--", "-m"], "'-m' needs a module name"),
+        (["--cpu", "--", CHILD], "--cpu needs -n"),
+        (["-n", "1", "--nnodes", "2", "--cpu", "--", CHILD], "--coordinator HOST:PORT is required"),
+        (["-n", "1", "--nnodes", "2", "--node-rank", "2", "--coordinator", "127.0.0.1:1", "--cpu", "--", CHILD],
+         "--node-rank must be in [0, 2)"),
+        (["-n", "1", "--coordinator", "localhost", "--cpu", "--", CHILD], "--coordinator must be HOST:PORT"),
+    ],
+)  # fmt: skip
+def test_argument_errors(args: list[str], message: str) -> None:
+    r = _run(*args)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr
+    assert "[rank" not in r.stdout + r.stderr  # nothing was started
+
+
+def test_parse_args_double_dash_belongs_to_program() -> None:
+    cfg = parse_args(["-n", "2", "--cpu", CHILD, "--", "x"])
+    assert cfg.command == [CHILD, "--", "x"]
+    assert parse_args(["-n", "2", "--cpu", "--", "-m", "pkg.mod", "--flag"]).command == ["-m", "pkg.mod", "--flag"]
+    with pytest.raises(LaunchError, match="expected a script path"):
+        parse_args(["-n", "2", "--cpu", "--", "--oops"])
+
+
+def test_initialize_distributed_without_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jax_moe_comm import launch
+
+    for key in (launch.ENV_COORDINATOR, launch.ENV_PROCESS_ID, launch.ENV_NUM_PROCESSES):
+        monkeypatch.delenv(key, raising=False)
+    assert launch.initialize_distributed() == (0, 1)
+    assert launch.initialize_distributed() == (0, 1)
