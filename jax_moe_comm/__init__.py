@@ -10,6 +10,7 @@ from ._native import build_info
 from .comm import MoEComm, combine, dispatch
 from .config import MoECommConfig
 from .errors import MoECommError
+from .runtime import finalize, initialize
 from .types import CombineHandle, Dispatched
 
 __all__ = [
@@ -21,5 +22,7 @@ __all__ = [
     "build_info",
     "combine",
     "dispatch",
+    "finalize",
+    "initialize",
 ]
 __version__ = "0.1.0"
