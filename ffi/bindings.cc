@@ -1,7 +1,7 @@
 // nanobind module jax_moe_comm._nvshmem_ext: the host API of runtime.h and the FFI handler capsules.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
-#include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
 
 #include <map>
@@ -58,7 +58,7 @@ NB_MODULE(_nvshmem_ext, m) {
   m.def("my_pe", &jmc::my_pe);
   m.def("n_pes", &jmc::n_pes);
   m.def("finalize", &jmc::finalize);
-  m.def("host_version", &jmc::host_version, "(major, minor) of the loaded libnvshmem_host.");
+  m.def("host_version", &jmc::host_version, "(major, minor, patch) of the loaded libnvshmem_host.");
   m.def("sm_count", &jmc::sm_count);
   m.def("symmetric_bytes", [](const std::map<std::string, int64_t>& sizes) {
     return jmc::symmetric_bytes(sizes_from(sizes));

@@ -46,10 +46,10 @@ int my_pe() { return nvshmem_my_pe(); }
 int n_pes() { return nvshmem_n_pes(); }
 void finalize() { nvshmem_finalize(); }
 
-std::pair<int, int> host_version() {
-  int major = 0, minor = 0;
-  nvshmem_info_get_version(&major, &minor);
-  return {major, minor};
+std::tuple<int, int, int> host_version() {
+  int major = 0, minor = 0, patch = 0;
+  nvshmemx_vendor_get_version_info(&major, &minor, &patch);
+  return {major, minor, patch};
 }
 
 namespace {

@@ -3,7 +3,7 @@
 
 #include <cstddef>
 #include <string>
-#include <utility>
+#include <tuple>
 
 #include "context.h"
 
@@ -21,7 +21,7 @@ int init_status();
 int my_pe();
 int n_pes();
 void finalize();
-std::pair<int, int> host_version();                           // of the loaded libnvshmem_host
+std::tuple<int, int, int> host_version();  // NVSHMEM version of the loaded libnvshmem_host
 
 size_t symmetric_bytes(const Sizes& sizes);
 Context* create_context(const Sizes& sizes, std::string* error);  // collective

@@ -104,7 +104,7 @@ def initialize(symmetric_size: int | str | None = None, timeout_s: float = 120.0
     status = ext.init(uid, rank, world, ordinal)  # initializes, or attaches after nvshmem4py
     if status != 0 or ext.my_pe() != rank or ext.n_pes() != world:
         raise RuntimeError(f"NVSHMEM init failed on rank {rank}: status {status}, pe {ext.my_pe()}/{ext.n_pes()}")
-    built = tuple(int(v) for v in ext.build_info()["nvshmem"].split(".")[:2])
+    built = tuple(int(v) for v in ext.build_info()["nvshmem"].split("."))
     loaded = tuple(ext.host_version())
     if loaded[0] != built[0] or loaded < built:
         raise RuntimeError(f"libnvshmem_host {loaded} is older than, or a different major version from, the NVSHMEM "
