@@ -11,7 +11,7 @@ namespace ffi = xla::ffi;
 namespace jmc {
 namespace {
 
-const Context& context_of(int64_t ctx) { return *reinterpret_cast<const Context*>(ctx); }
+const Context& context_of(int64_t context) { return *reinterpret_cast<const Context*>(ctx); }
 
 ffi::Error launched(cudaError_t err, const char* phase) {
   if (err == cudaSuccess) return ffi::Error::Success();
@@ -29,35 +29,35 @@ int dtype_code(ffi::DataType t) {  // shared with combine_recv.cu
 
 ffi::Error DispatchSend(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
                         ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::S32> num_tokens,
-                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t ctx) {
+                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
   DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                      status->typed_data()};
-  return launched(launch_dispatch_send(context_of(ctx), a, stream), "dispatch_send");
+  return launched(launch_dispatch_send(context_of(context), a, stream), "dispatch_send");
 }
 
 ffi::Error DispatchRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status: orders recv after send*/,
                         ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes, ffi::Result<ffi::Buffer<ffi::S32>> row_origin,
-                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t ctx) {
+                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
   DispatchRecvArgs a{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
                      row_origin->typed_data(), status->typed_data()};
-  return launched(launch_dispatch_recv(context_of(ctx), a, stream), "dispatch_recv");
+  return launched(launch_dispatch_recv(context_of(context), a, stream), "dispatch_recv");
 }
 
 ffi::Error CombineSend(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> row_origin,
-                       ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t ctx) {
+                       ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
   CombineSendArgs a{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
                     row_origin.typed_data(), status->typed_data()};
-  return launched(launch_combine_send(context_of(ctx), a, stream), "combine_send");
+  return launched(launch_combine_send(context_of(context), a, stream), "combine_send");
 }
 
 ffi::Error CombineRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status*/, ffi::Buffer<ffi::S32> topk_ids,
                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t ctx,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context,
                        int64_t in_dtype) {
   CombineRecvArgs a{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
                     static_cast<int>(in_dtype), dtype_code(out->element_type()), status->typed_data()};
-  return launched(launch_combine_recv(context_of(ctx), a, stream), "combine_recv");
+  return launched(launch_combine_recv(context_of(context), a, stream), "combine_recv");
 }
 
 }  // namespace
@@ -71,7 +71,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("ctx"));
+                                  .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_recv, jmc::DispatchRecv,
                               ffi::Ffi::Bind()
@@ -82,7 +82,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_recv, jmc::DispatchRecv,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("ctx"));
+                                  .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
                               ffi::Ffi::Bind()
@@ -90,7 +90,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("ctx"));
+                                  .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                               ffi::Ffi::Bind()
@@ -101,5 +101,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("ctx")
+                                  .Attr<int64_t>("context")
                                   .Attr<int64_t>("in_dtype"));

@@ -69,7 +69,7 @@ def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A Geometry plus this rank's NVSHMEM context (the address the handlers receive as attribute `ctx`)."""
+    """A Geometry plus this rank's NVSHMEM context (the address the handlers receive as attribute `context`)."""
 
     geo: Geometry
     ctx: int
@@ -128,8 +128,18 @@ jax.tree_util.register_dataclass(PendingCombine, data_fields=["status", "topk_id
 _STATUS = jax.ShapeDtypeStruct((errors.STATUS_WORDS,), jnp.int32)
 
 
+def _varying(a: Array, axis_name: str) -> Array:
+    """Marks a custom call's per-shard result as varying over the EP axis, as shard_map's type checks expect
+    (ffi_call results carry no such annotation; without it e.g. a lax.scan carry would change type)."""
+    try:
+        return jax.lax.pcast(a, axis_name, to="varying")
+    except ValueError:  # already varying
+        return a
+
+
 def _call(name: str, results, plan: Plan, *args, **attrs):
-    return jax.ffi.ffi_call(f"jmc_{name}", results, has_side_effect=True)(*args, ctx=np.int64(plan.ctx), **attrs)
+    outs = jax.ffi.ffi_call(f"jmc_{name}", results, has_side_effect=True)(*args, context=np.int64(plan.ctx), **attrs)
+    return jax.tree.map(lambda a: _varying(a, plan.geo.axis_name), outs)
 
 
 def _rank(plan: Plan) -> Array:
