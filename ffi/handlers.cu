@@ -1,4 +1,4 @@
-// XLA FFI handlers: unpack buffers, find the Context through the `ctx` attribute, launch the phase's kernel on
+// XLA FFI handlers: unpack buffers, find the Context through the `context` attribute, launch the phase's kernel on
 // XLA's stream. No host synchronisation and no collective host work happens here.
 #include <string>
 
@@ -11,7 +11,7 @@ namespace ffi = xla::ffi;
 namespace jmc {
 namespace {
 
-const Context& context_of(int64_t context) { return *reinterpret_cast<const Context*>(ctx); }
+const Context& context_of(int64_t address) { return *reinterpret_cast<const Context*>(address); }
 
 ffi::Error launched(cudaError_t err, const char* phase) {
   if (err == cudaSuccess) return ffi::Error::Success();
