@@ -6,6 +6,7 @@ Per-shard calls (``comm.dispatch`` ...) run inside the user's ``shard_map`` over
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -100,7 +101,8 @@ class MoEComm:
         _check_array("topk_ids", topk_ids, (c.max_tokens, c.experts_per_token), (jnp.int32,))
         if c.is_fp8:
             if scales is None:
-                raise ValueError("scales is required for float8_e4m3fn payloads: float32 [max_tokens, hidden // scale_block]")
+                raise ValueError("scales is required for float8_e4m3fn payloads: "
+                                 "float32 [max_tokens, hidden // scale_block]")
             _check_array("scales", scales, (c.max_tokens, c.scale_cols), (jnp.float32,))
         elif scales is not None:
             raise ValueError(f"scales is only for float8_e4m3fn payloads; dtype is {c.dtype.name}")
@@ -108,7 +110,8 @@ class MoEComm:
             return jnp.int32(c.max_tokens)
         num_tokens = jnp.asarray(num_tokens)
         if num_tokens.shape != () or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
-            raise ValueError(f"num_tokens must be an integer scalar (per shard), got {num_tokens.dtype}{list(num_tokens.shape)}")
+            raise ValueError("num_tokens must be an integer scalar (per shard), "
+                             f"got {num_tokens.dtype}{list(num_tokens.shape)}")
         return jnp.clip(num_tokens.astype(jnp.int32), 0, c.max_tokens)
 
     def _check_handle(self, handle):
@@ -120,7 +123,8 @@ class MoEComm:
         _check_array("topk_weights", topk_weights, (c.max_tokens, c.experts_per_token), (jnp.float32,))
 
     # Per-shard API (inside shard_map over axis_name) -------------------------------------------------
-    def dispatch_send(self, x: Array, topk_ids: Array, scales: Array | None = None, num_tokens: Array | None = None):
+    def dispatch_send(self, x: Array, topk_ids: Array, scales: Array | None = None,
+                      num_tokens: Array | None = None):
         """Starts sending tokens to their experts' ranks; returns a pending pytree for ``dispatch_recv``.
 
         x: [max_tokens, H] cfg.dtype; topk_ids: int32 [max_tokens, K] in [-1, E); scales: float32
@@ -133,7 +137,8 @@ class MoEComm:
         """Waits for the rows of ``dispatch_send`` and returns them packed by local expert."""
         return self._impl.dispatch_recv(self._plan, pending)
 
-    def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None, num_tokens: Array | None = None) -> Dispatched:
+    def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None,
+                 num_tokens: Array | None = None) -> Dispatched:
         """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout."""
         return self.dispatch_recv(self.dispatch_send(x, topk_ids, scales, num_tokens))
 
@@ -180,6 +185,11 @@ def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None = No
     expert_x [world * capacity, H], group_sizes [E], handle.num_tokens [world].
     """
 
+    if num_tokens is not None:
+        _check_array("num_tokens", num_tokens, (comm.world,), None)
+        if not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+            raise ValueError(f"num_tokens must be integer (one count per rank), got {np.dtype(num_tokens.dtype).name}")
+
     def shard_fn(x, topk_ids, scales, num_tokens):
         count = None if num_tokens is None else num_tokens.reshape(())
         return comm.dispatch(x, topk_ids, scales, count)
@@ -192,7 +202,7 @@ def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights:
     topk_weights float32 [world * max_tokens, K] -> y [world * max_tokens, H] out_dtype."""
 
     def shard_fn(expert_y, handle, topk_weights):
-        handle = CombineHandle(handle.row_origin, handle.topk_ids, handle.num_tokens.reshape(()))
+        handle = dataclasses.replace(handle, num_tokens=handle.num_tokens.reshape(()))
         return comm.combine(expert_y, handle, topk_weights)
 
     return _per_shard(comm, shard_fn, expert_y, handle, topk_weights)

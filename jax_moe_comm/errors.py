@@ -1,7 +1,9 @@
 """Errors found on the device, raised to the user.
 
 Every phase produces a status word ``int32[4] = {code, phase, detail_a, detail_b}`` (code 0 = fine) on the
-device; a host callback raises when the code is non-zero. Inside ``jit`` the error surfaces as
+device. Dispatch records its status in the handle and carries on, so that every rank still completes the round
+trip (raising on one rank mid-protocol would leave its peers waiting); the combine that completes the round trip
+raises, through a host callback, when any phase's code is non-zero. Inside ``jit`` the error surfaces as
 ``jax.errors.JaxRuntimeError`` whose message contains the text below, when the result is waited on (e.g.
 ``block_until_ready``). The device never writes out of bounds in the meantime: offending rows are dropped.
 Both backends use this; the codes match ``ffi/context.h``.
@@ -52,12 +54,16 @@ def first_failure(*statuses: Array) -> Array:
     return out
 
 
-def _raise_if_error(word, rank) -> None:
+def _raise_if_error(word, rank, after) -> None:
+    del after
     code, phase, a, b = (int(v) for v in word)
     if code != 0:
         raise MoECommError(describe(code, phase, int(rank), a, b))
 
 
-def check(word: Array, rank: Array) -> None:
-    """Raises MoECommError (through the runtime) when the traced status word's code is non-zero."""
-    jax.debug.callback(_raise_if_error, word, jnp.asarray(rank, jnp.int32))
+def check(word: Array, rank: Array, after: Array) -> None:
+    """Raises MoECommError (through the runtime) when the traced status word's code is non-zero.
+
+    `after` is any value computed by the call's last transfer: the callback consumes it, so XLA cannot schedule
+    the raise before that transfer (where it would leave peers waiting in a collective)."""
+    jax.debug.callback(_raise_if_error, word, jnp.asarray(rank, jnp.int32), after.reshape(-1)[:1])

@@ -116,13 +116,16 @@ class PendingDispatch:
 
 @dataclasses.dataclass(frozen=True)
 class PendingCombine:
+    """combine_send's status (orders combine_recv after it), dispatch's recorded errors, and the routing."""
+
     status: Array
+    dispatch_status: Array
     topk_ids: Array
     num_tokens: Array
     in_dtype: int  # static: dtype code of expert_y rows in flight
 
 
-jax.tree_util.register_dataclass(PendingCombine, data_fields=["status", "topk_ids", "num_tokens"],
+jax.tree_util.register_dataclass(PendingCombine, data_fields=["status", "dispatch_status", "topk_ids", "num_tokens"],
                                  meta_fields=["in_dtype"])
 
 _STATUS = jax.ShapeDtypeStruct((errors.STATUS_WORDS,), jnp.int32)
@@ -163,14 +166,15 @@ def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
         _STATUS,
     )
     expert_x, expert_scales, group_sizes, row_origin, status = _call("dispatch_recv", results, plan, p.status)
-    errors.check(errors.first_failure(p.status, status), _rank(plan))
-    handle = CombineHandle(row_origin=row_origin, topk_ids=p.topk_ids, num_tokens=p.num_tokens)
+    handle = CombineHandle(row_origin=row_origin, topk_ids=p.topk_ids, num_tokens=p.num_tokens,
+                           status=errors.first_failure(p.status, status))
     return Dispatched(expert_x, expert_scales if cfg.is_fp8 else None, group_sizes, handle)
 
 
 def combine_send(plan: Plan, expert_y: Array, handle: CombineHandle) -> PendingCombine:
     status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin)
-    return PendingCombine(status, handle.topk_ids, handle.num_tokens, _DTYPE_CODE[np.dtype(expert_y.dtype)])
+    return PendingCombine(status, handle.status, handle.topk_ids, handle.num_tokens,
+                          _DTYPE_CODE[np.dtype(expert_y.dtype)])
 
 
 def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array) -> Array:
@@ -178,5 +182,5 @@ def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array) -> Array:
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS)
     y, status = _call("combine_recv", results, plan, q.status, q.topk_ids, topk_weights, q.num_tokens,
                       in_dtype=np.int64(q.in_dtype))
-    errors.check(errors.first_failure(q.status, status), _rank(plan))
+    errors.check(errors.first_failure(q.dispatch_status, q.status, status), _rank(plan), after=status)
     return y

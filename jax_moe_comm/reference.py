@@ -41,6 +41,7 @@ class PendingDispatch:
     recv_meta: Array
     topk_ids: Array
     num_tokens: Array
+    status: Array
 
 
 @_pytree
@@ -52,6 +53,7 @@ class PendingCombine:
     recv_slot: Array
     topk_ids: Array
     num_tokens: Array
+    status: Array
 
 
 def _first_true(mask: Array, values: Array) -> tuple[Array, Array]:
@@ -60,15 +62,15 @@ def _first_true(mask: Array, values: Array) -> tuple[Array, Array]:
     return flat // mask.shape[1], values.reshape(-1)[flat]
 
 
-def _validate_routing(geo: Geometry, topk_ids: Array, live: Array) -> None:
-    """Fails the call on an id outside [-1, E) or a repeated id within one token (valid rows only)."""
+def _validate_routing(geo: Geometry, topk_ids: Array, live: Array) -> Array:
+    """Status word: an id outside [-1, E) or a repeated id within one token (valid rows only)."""
     bad = live[:, None] & ((topk_ids < -1) | (topk_ids >= geo.cfg.num_experts))
     same = topk_ids[:, :, None] == topk_ids[:, None, :]
     earlier = jnp.tril(jnp.ones((geo.K, geo.K), bool), k=-1)  # [k, j]: j < k
     repeated = live[:, None] & (topk_ids >= 0) & jnp.any(same & earlier, axis=2)
     code = jnp.where(bad.any(), errors.BAD_EXPERT_ID, 0) | jnp.where(repeated.any(), errors.REPEATED_EXPERT_ID, 0)
     token, value = _first_true(jnp.where(bad.any(), bad, repeated), topk_ids)
-    errors.check(errors.status(code, 0, token, value), jax.lax.axis_index(geo.axis_name))
+    return errors.status(code, 0, token, value)
 
 
 def _exchange(geo: Geometry, per_peer: Array) -> Array:
@@ -92,7 +94,7 @@ def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None
     rank = jax.lax.axis_index(geo.axis_name)
     token = jnp.arange(T, dtype=jnp.int32)
     live = token < num_tokens
-    _validate_routing(geo, topk_ids, live)
+    status = _validate_routing(geo, topk_ids, live)
 
     mine = live & (token % geo.cfg.dp_size == rank % geo.cfg.dp_size)
     sends = mine[:, None] & (topk_ids >= 0) & (topk_ids < geo.cfg.num_experts)
@@ -113,7 +115,7 @@ def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None
     recv_scales = None
     if scales is not None:
         recv_scales = _exchange(geo, _scatter_rows(staging_shape, index, scales[tok_sorted], 0))
-    return PendingDispatch(recv_x, recv_scales, recv_meta, topk_ids, num_tokens)
+    return PendingDispatch(recv_x, recv_scales, recv_meta, topk_ids, num_tokens, status)
 
 
 def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
@@ -137,9 +139,7 @@ def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
     row = jnp.where(row < geo.capacity, row, geo.capacity)  # overflowing rows are dropped, never written
 
     needed = jnp.sum(group_sizes)
-    overflow = needed > geo.capacity
-    errors.check(errors.status(jnp.where(overflow, errors.CAPACITY_OVERFLOW, 0), 1, needed, geo.capacity),
-                 jax.lax.axis_index(geo.axis_name))
+    overflow = errors.status(jnp.where(needed > geo.capacity, errors.CAPACITY_OVERFLOW, 0), 1, needed, geo.capacity)
 
     origin = jnp.where(arrived, (src_group * T + token) * K + slot, -1)[order]
     cap = (geo.capacity,)
@@ -148,7 +148,8 @@ def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
     if p.recv_scales is not None:
         expert_scales = _scatter_rows(cap, (row,), p.recv_scales.reshape((-1,) + p.recv_scales.shape[2:])[order], 0)
     row_origin = _scatter_rows(cap, (row,), origin, -1)
-    handle = CombineHandle(row_origin=row_origin, topk_ids=p.topk_ids, num_tokens=p.num_tokens)
+    handle = CombineHandle(row_origin=row_origin, topk_ids=p.topk_ids, num_tokens=p.num_tokens,
+                           status=errors.first_failure(p.status, overflow))
     return Dispatched(expert_x=expert_x, expert_scales=expert_scales, group_sizes=group_sizes, handle=handle)
 
 
@@ -173,6 +174,7 @@ def combine_send(geo: Geometry, expert_y: Array, handle: CombineHandle) -> Pendi
         recv_slot=_exchange(geo, slots[replica_group]),
         topk_ids=handle.topk_ids,
         num_tokens=handle.num_tokens,
+        status=handle.status,
     )
 
 
@@ -188,4 +190,5 @@ def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array) -> Array
     acc = jnp.zeros(by_slot.shape[::2], jnp.float32)
     for k in range(K):  # fixed summation order: the kernel adds slots 0..K-1 the same way
         acc = acc + weights[:, k, None] * by_slot[:, k]
+    errors.check(q.status, jax.lax.axis_index(geo.axis_name), after=acc)  # after the last transfer
     return jnp.where(live[:, None], acc, 0.0).astype(geo.cfg.out_dtype)

@@ -28,11 +28,15 @@ class CombineHandle:
         token (alignment padding and the unused tail).
     topk_ids:   int32 [max_tokens, K], this rank's own routing (combine_recv counts each token's valid slots).
     num_tokens: int32 [], this rank's valid token count; output rows >= num_tokens are zero.
+    status:     int32 [4], the first error dispatch found on this rank ({code, phase, detail, detail}; zeros if
+        none). Dispatch records errors instead of raising them so that every rank finishes the round trip; the
+        combine that completes it raises (see errors.py).
     """
 
     row_origin: Array
     topk_ids: Array
     num_tokens: Array
+    status: Array
 
 
 @_pytree

@@ -36,11 +36,15 @@ grep "NVSHMEM up" "$OUT/bootstrap.log" | tee -a "$OUT/summary.txt"
 step "NVSHMEM vs reference cases"
 timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
   > "$OUT/cases.log" 2>&1
+rc=$?
 grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$OUT/cases.log" | tee -a "$OUT/summary.txt"
+step "cases exit code $rc"
 
 step "demo through the launcher"
 timeout 300 python3 -m jax_moe_comm.launch -n 2 -- python -m jax_moe_comm.demo > "$OUT/demo.log" 2>&1
-tail -12 "$OUT/demo.log" | tee -a "$OUT/summary.txt"
+rc=$?
+grep "^\[rank 0\]   " "$OUT/demo.log" | tee -a "$OUT/summary.txt"
+step "demo exit code $rc"
 
 if [ -n "${BENCH:-}" ]; then
   step "bench"

@@ -1,0 +1,173 @@
+"""Shared test setup: 8 forced CPU devices, meshes, per-run random seeds and routing generators.
+
+Randomness is fresh every run. Each test that uses ``rng`` prints its seed and the failure report shows it;
+rerun a failure with ``MOE_TEST_SEED=<seed>``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must happen before jax is imported anywhere.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+NUM_DEVICES = 8
+
+
+# Meshes -----------------------------------------------------------------------------------------------------
+@functools.cache
+def ep_mesh(world: int, axis_name: str = "ep") -> Mesh:
+    """A 1-D mesh of the first `world` CPU devices over `axis_name`."""
+    assert len(jax.devices()) >= NUM_DEVICES, "conftest must force 8 host devices before jax is imported"
+    return Mesh(np.array(jax.devices()[:world]), (axis_name,))
+
+
+@pytest.fixture
+def make_mesh():
+    return ep_mesh
+
+
+# Seeds ------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test (or MOE_TEST_SEED), printed and attached to the failure report."""
+    env = os.environ.get("MOE_TEST_SEED")
+    value = int(env) if env else int(np.random.default_rng().integers(0, 2**63 - 1))
+    request.node.moe_seed = value
+    print(f"seed={value}")
+    return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed_value = getattr(item, "moe_seed", None)
+    if report.failed and seed_value is not None:
+        report.sections.append(("random seed", f"seed={seed_value}; rerun with MOE_TEST_SEED={seed_value}"))
+
+
+# Routing ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Routing:
+    """Per-DP-group routing: topk_ids [G, T, K] int32, num_tokens [G] int32 (replicas of a group share it)."""
+
+    topk_ids: np.ndarray
+    num_tokens: np.ndarray
+
+    def per_rank(self, dp_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(topk_ids [world * T, K], num_tokens [world]): every group repeated over its dp_size replicas."""
+        ids = np.repeat(self.topk_ids, dp_size, axis=0)
+        return ids.reshape(-1, ids.shape[-1]), np.repeat(self.num_tokens, dp_size)
+
+
+def uniform_topk(rng, shape: tuple[int, int], experts, k: int) -> np.ndarray:
+    """[G, T] tokens, each with k distinct experts drawn uniformly from `experts` (an int E or a list)."""
+    pool = np.arange(experts) if np.isscalar(experts) else np.asarray(experts)
+    ids = np.empty(shape + (k,), np.int32)
+    for index in np.ndindex(*shape):
+        ids[index] = rng.choice(pool, size=k, replace=False)
+    return ids
+
+
+def skewed_topk(rng, shape: tuple[int, int], num_experts: int, k: int, hot_expert: int = 0) -> np.ndarray:
+    """Every token picks `hot_expert` (in a random slot); its other slots are distinct uniform experts."""
+    others = [e for e in range(num_experts) if e != hot_expert]
+    ids = uniform_topk(rng, shape, others, k)
+    for index in np.ndindex(*shape):
+        ids[index + (rng.integers(k),)] = hot_expert
+    return ids
+
+
+def avoiding_rank_topk(rng, shape, num_experts: int, k: int, world: int, rank: int) -> np.ndarray:
+    """Uniform distinct top-k that never picks an expert of `rank`: that rank receives nothing."""
+    num_local = num_experts // world
+    allowed = [e for e in range(num_experts) if e // num_local != rank]
+    assert len(allowed) >= k, "config too small for a rank that receives nothing"
+    return uniform_topk(rng, shape, allowed, k)
+
+
+def drop_slots(rng, ids: np.ndarray, fraction: float = 0.3) -> np.ndarray:
+    """Sets a random `fraction` of the slots to -1 (some tokens may lose every slot)."""
+    ids = ids.copy()
+    ids[rng.random(ids.shape) < fraction] = -1
+    return ids
+
+
+def garbage_past_num_tokens(rng, ids: np.ndarray, num_tokens: np.ndarray, num_experts: int) -> np.ndarray:
+    """Fills rows t >= num_tokens[g] with ids that would be errors in a valid row (out of range, repeated)."""
+    ids = ids.copy()
+    bad = np.array([num_experts, num_experts + 7, -2, -1000, 2**30], np.int32)
+    for g in range(ids.shape[0]):
+        for t in range(int(num_tokens[g]), ids.shape[1]):
+            if rng.random() < 0.5:
+                ids[g, t] = rng.choice(bad, size=ids.shape[2])
+            else:
+                ids[g, t] = rng.integers(0, num_experts)  # the same expert in every slot
+    return ids
+
+
+def random_num_tokens(rng, kind: str, num_groups: int, max_tokens: int) -> np.ndarray:
+    """num_tokens per group: "full", "partial" (1..max_tokens-1), "zero", or "mixed" (each group any of those)."""
+    def one(kind_):
+        if kind_ == "full":
+            return max_tokens
+        if kind_ == "zero":
+            return 0
+        return int(rng.integers(1, max_tokens)) if max_tokens > 1 else 1
+    if kind == "mixed":
+        kinds = ["zero", "partial", "full"]
+        chosen = [kinds[g % 3] for g in range(num_groups)]
+        rng.shuffle(chosen)
+        return np.array([one(c) for c in chosen], np.int32)
+    return np.array([one(kind)] * num_groups, np.int32)
+
+
+SCENARIOS = {
+    "uniform_full": "uniform distinct top-k, every token valid",
+    "uniform_partial": "uniform top-k, a partial num_tokens per group, invalid ids past num_tokens",
+    "num_tokens_zero": "num_tokens == 0 in every group (ids past it are garbage)",
+    "mixed_num_tokens": "groups with 0, partial and full num_tokens in one call",
+    "all_to_expert0": "every token picks expert 0 (other slots distinct)",
+    "rank_receives_nothing": "no token picks an expert of one random rank",
+    "dropped_slots": "random -1 slots (tokens may lose every slot), partial num_tokens",
+}
+
+
+def make_routing(rng, scenario: str, *, world: int, dp_size: int, num_experts: int, k: int,
+                 max_tokens: int) -> Routing:
+    """A random Routing for one of SCENARIOS."""
+    shape = (world // dp_size, max_tokens)
+    count = {"uniform_partial": "partial", "num_tokens_zero": "zero", "mixed_num_tokens": "mixed",
+             "dropped_slots": "partial"}.get(scenario, "full")
+    num_tokens = random_num_tokens(rng, count, shape[0], max_tokens)
+    if scenario == "all_to_expert0":
+        ids = skewed_topk(rng, shape, num_experts, k, hot_expert=0)
+    elif scenario == "rank_receives_nothing":
+        ids = avoiding_rank_topk(rng, shape, num_experts, k, world, int(rng.integers(world)))
+    else:
+        ids = uniform_topk(rng, shape, num_experts, k)
+    if scenario == "dropped_slots":
+        ids = drop_slots(rng, ids)
+    ids = garbage_past_num_tokens(rng, ids, num_tokens, num_experts)
+    return Routing(ids, num_tokens)
+
+
+@pytest.fixture
+def routing(rng):
+    """routing(scenario, world=, dp_size=, num_experts=, k=, max_tokens=) -> Routing, drawn from this test's rng."""
+    return functools.partial(make_routing, rng)
