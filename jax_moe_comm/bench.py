@@ -53,6 +53,7 @@ if __name__ == "__main__":
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import argparse  # noqa: E402
+import concurrent.futures  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
@@ -80,6 +81,7 @@ ALL_BACKENDS = ("nvshmem", "reference", "ragged", "padded")
 EPS = 1e-3  # weight of the previous output in the next input of a chain
 TOLERANCE = 2e-2
 NVSHMEM_MIN_HEAP = 1 << 30
+COMPILE_THREADS = max(1, min(6, (os.cpu_count() or 1) // 4))  # XLA compiles use several cores each
 FP8 = np.dtype(jnp.float8_e4m3fn)
 BF16 = np.dtype(jnp.bfloat16)
 Array = jax.Array
@@ -312,9 +314,9 @@ def combine_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
     return body
 
 
-def compile_chain(body: Callable, mesh: Mesh, args: tuple):
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-    return fn.lower(*args).compile()
+def lower_chain(body: Callable, mesh: Mesh, args: tuple):
+    """jit(shard_map(body)) over the EP axis, every argument and result sharded by rows, lowered for `args`."""
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))).lower(*args)
 
 
 def timed(fn, args) -> float:
@@ -470,14 +472,20 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
         builders.update(dispatch=dispatch_chain, combine=combine_chain)
     compiled, errors = {}, {}
     try:
+        # Trace and lower one by one, then compile the (up to) six programs in parallel threads.
+        lowered = {}
         for part, build in builders.items():
             try:
-                compiled[part] = (compile_chain(build(impl, cfg, 1), mesh, args0),
-                                  compile_chain(build(impl, cfg, n), mesh, args0))
+                lowered[part] = [lower_chain(build(impl, cfg, steps), mesh, args0) for steps in (1, n)]
             except Exception as exc:  # noqa: BLE001
                 errors[part] = short_error(exc)
-                if part == "total":
-                    break
+        with concurrent.futures.ThreadPoolExecutor(max_workers=COMPILE_THREADS) as pool:
+            futures = {part: [pool.submit(lo.compile) for lo in pair] for part, pair in lowered.items()}
+            for part, pair in futures.items():
+                try:
+                    compiled[part] = tuple(f.result() for f in pair)
+                except Exception as exc:  # noqa: BLE001
+                    errors[part] = short_error(exc)
         ok = all_processes_ok("total" not in errors)
         if not ok:
             row.error = errors.get("total", "failed on another process")
@@ -549,7 +557,7 @@ def available_backends(mesh: Mesh, nvshmem_reason: str | None) -> tuple[list[str
         probe = jax.ShapeDtypeStruct((mesh.size, 8), np.float32, sharding=NamedSharding(mesh, P(AXIS)))
         ids = jax.ShapeDtypeStruct((mesh.size, 1), np.int32, sharding=NamedSharding(mesh, P(AXIS)))
         w = jax.ShapeDtypeStruct((mesh.size, 1), np.float32, sharding=NamedSharding(mesh, P(AXIS)))
-        compile_chain(round_trip_chain(impl, cfg, 1), mesh, (probe, None, ids, w))
+        lower_chain(round_trip_chain(impl, cfg, 1), mesh, (probe, None, ids, w)).compile()
     except Exception as exc:  # noqa: BLE001
         why_not["ragged"] = short_error(exc)
     return [b for b in ALL_BACKENDS if b not in why_not], why_not

@@ -143,8 +143,6 @@ def test_signal_is_forwarded(sig: signal.Signals) -> None:
         proc.kill()
     assert time.monotonic() - start < 10
     assert proc.returncode == 128 + sig, err  # the workers died of the forwarded signal
-    if sig == signal.SIGINT:
-        assert "[rank 0] KeyboardInterrupt" in err and "[rank 1] KeyboardInterrupt" in err
 
 
 @pytest.mark.parametrize(
