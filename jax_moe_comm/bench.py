@@ -16,11 +16,12 @@ Configs (per rank: ``tokens`` rows of x; expert stand-in: dequantize, multiply b
 
 Timing (DESIGN.md §8): one ``jit`` holds an unrolled chain of N round trips (a Python loop, N copies; round trip
 i+1 dispatches ``x + 1e-3 * y_i``, so XLA can neither reorder nor overlap them). ``total_us`` = (time of the
-N-chain - time of the 1-chain) / (N - 1), median over repeats; each repeat draws a fresh uniform routing (distinct
-top-k per token) on the host and uploads it before the clock starts. ``dispatch_us`` / ``combine_us`` time a chain
-of dispatches (next x depends on the received rows) and a chain of combines (next expert_y depends on y) the same
-way; null for nvshmem, whose protocol only allows alternating halves. Each step includes the cheap elementwise
-dependency update (T x H elements).
+N-chain - time of the 1-chain) / (N - 1), median over repeats (each program is timed with block_until_ready and
+time.perf_counter; best of 3 calls when a call takes < 50 ms); each repeat draws a fresh uniform routing (distinct
+top-k per token) on the host and uploads it before the clock starts. Programs are compiled and run once before
+timing. ``dispatch_us`` / ``combine_us`` time a chain of dispatches (next x depends on the received rows) and a
+chain of combines (next expert_y depends on y) the same way; null for nvshmem, whose protocol only allows
+alternating halves. Each step includes the cheap elementwise dependency update (T x H elements).
 
 Bandwidth: ``gbps = bytes / total_us``, with ``bytes`` the traffic of one round trip per rank, averaged over ranks
 and repeats and counted from the routing (not from padding):
@@ -127,7 +128,7 @@ QUICK_CONFIGS = {
     "v2lite": BenchConfig("v2lite", 128, 16, 6, BF16, BF16),
 }
 DEFAULT_TOKENS = (1, 8, 128, 512, 4096)
-QUICK = {"tokens": (1, 8), "chain": 3, "repeats": 2}
+QUICK = {"tokens": (8,), "chain": 2, "repeats": 2}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -325,11 +326,17 @@ def timed(fn, args) -> float:
     return time.perf_counter() - start
 
 
+def best_time(fn, args, short_s: float = 0.05) -> float:
+    """Seconds of one call; the best of three when a call is short (host jitter only ever adds time)."""
+    t = timed(fn, args)
+    return min(t, timed(fn, args), timed(fn, args)) if t < short_s else t
+
+
 def per_step_us(pair, args, n: int) -> float:
     """(time of the n-chain - time of the 1-chain) / (n - 1), in microseconds."""
     one, many = pair
-    t1 = timed(one, args)
-    tn = timed(many, args)
+    t1 = best_time(one, args)
+    tn = best_time(many, args)
     return (tn - t1) / (n - 1) * 1e6
 
 
@@ -379,7 +386,7 @@ def short_error(exc: BaseException) -> str:
         if marker in text:
             text = text[text.index(marker):]
             break
-    return f"{type(exc).__name__}: {text[:240]}"
+    return f"{type(exc).__name__}: {text[:400]}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -415,12 +422,13 @@ def median_or_none(values: list[float]) -> float | None:
 
 
 class Progress:
-    """tqdm on stderr when installed (else one line per step); silent on processes other than 0."""
+    """tqdm on stderr when installed and stderr is a terminal (else one line per step); silent on processes other
+    than 0."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.done, self.enabled = total, 0, enabled
         self.bar = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
 
@@ -486,8 +494,11 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
                     compiled[part] = tuple(f.result() for f in pair)
                 except Exception as exc:  # noqa: BLE001
                     errors[part] = short_error(exc)
-        ok = all_processes_ok("total" not in errors)
-        if not ok:
+        for part in builders:  # every process must run the same programs
+            if not all_processes_ok(part in compiled) and part in compiled:
+                del compiled[part]
+                errors[part] = "failed on another process"
+        if "total" not in compiled:
             row.error = errors.get("total", "failed on another process")
             return row
         # Warm-up (first executions set up communicators) and the correctness check on repeat 0's routing.
@@ -551,15 +562,26 @@ def available_backends(mesh: Mesh, nvshmem_reason: str | None) -> tuple[list[str
     why_not = {}
     if nvshmem_reason is not None:
         why_not["nvshmem"] = nvshmem_reason
+    # ragged_all_to_all: XLA:CPU cannot compile it; XLA:GPU with one GPU per process runs it only through its NCCL
+    # send/recv fallback, which is off by default (the call fails at run time). Probe with a tiny round trip.
+    error = None
     try:
-        cfg = BenchConfig("probe", 8, mesh.size, 1, np.dtype(np.float32), np.dtype(np.float32))
-        impl = BaselineImpl("ragged", cfg)
-        probe = jax.ShapeDtypeStruct((mesh.size, 8), np.float32, sharding=NamedSharding(mesh, P(AXIS)))
-        ids = jax.ShapeDtypeStruct((mesh.size, 1), np.int32, sharding=NamedSharding(mesh, P(AXIS)))
-        w = jax.ShapeDtypeStruct((mesh.size, 1), np.float32, sharding=NamedSharding(mesh, P(AXIS)))
-        lower_chain(round_trip_chain(impl, cfg, 1), mesh, (probe, None, ids, w)).compile()
+        world = mesh.size
+        cfg = BenchConfig("probe", 8, world, 1, np.dtype(np.float32), np.dtype(np.float32))
+        args = (to_global(np.ones((world, 8), np.float32), mesh), None,
+                to_global(((np.arange(world) + 1) % world).astype(np.int32).reshape(world, 1), mesh),
+                to_global(np.ones((world, 1), np.float32), mesh))
+        jax.block_until_ready(lower_chain(round_trip_chain(BaselineImpl("ragged", cfg), cfg, 1), mesh, args)
+                              .compile()(*args))
     except Exception as exc:  # noqa: BLE001
-        why_not["ragged"] = short_error(exc)
+        error = short_error(exc)
+        if "fallback to NCCL" in error:
+            error = ("XLA:GPU runs ragged_all_to_all across processes only through NCCL send/recv, which is off: "
+                     "time it in one process (python -m jax_moe_comm.bench, all GPUs on one mesh), or allow it with "
+                     "XLA_FLAGS=--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true (seen to hang on "
+                     f"jax 0.11.2). {error}")
+    if not all_processes_ok(error is None):
+        why_not["ragged"] = error or "failed on another process"
     return [b for b in ALL_BACKENDS if b not in why_not], why_not
 
 
@@ -636,7 +658,7 @@ def plot_record(record: dict, path: str | Path) -> bool:
     fig, axes = plt.subplots(1, max(1, len(configs)), figsize=(5.5 * max(1, len(configs)), 4.2), squeeze=False)
     for ax, config in zip(axes[0], configs, strict=False):
         rows = [r for r in record["rows"] if r["config"] == config and r.get("total_us")]
-        for backend in dict.fromkeys(r["backend"] for r in rows):
+        for backend in sorted(dict.fromkeys(r["backend"] for r in rows), key=ALL_BACKENDS.index):
             pts = sorted((r["tokens"], r["total_us"]) for r in rows if r["backend"] == backend and r["total_us"] > 0)
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=backend)
@@ -671,7 +693,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the record (see benchmarks/README.md) to this path")
     p.add_argument("--plot", default=None, help="write a PNG: latency vs tokens per backend, log-log")
     p.add_argument("--quick", action="store_true",
-                   help="tiny hidden sizes and expert counts, tokens 1,8, chain 3, 2 repeats (CPU tests)")
+                   help="tiny hidden sizes and expert counts, 8 tokens, chain 2, 2 repeats (CPU tests)")
     args = p.parse_args(argv)
     quick = QUICK if args.quick else {}
     args.tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(quick.get("tokens", DEFAULT_TOKENS))
@@ -720,7 +742,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if jax.process_count() > 1:
             seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
 
-    rows: list[Row] = []
+    device = jax.devices()[0]
+    record = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "device": f"{len(jax.devices())}x {device.device_kind if device.platform != 'cpu' else 'cpu'}",
+        "world": world,
+        "processes": jax.process_count(),
+        "command": command_line(argv),
+        "jax": jax.__version__,
+        "chain": args.chain,
+        "repeats": args.repeats,
+        "seed": seed,
+        "configs": {c.name: c.describe() for c in args.config_list},
+        "complete": False,
+        "rows": [],
+    }
+
+    def write_json() -> None:  # after every size too, so that an interrupted run keeps what it measured
+        if leader and args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+
     progress = Progress(len(args.config_list) * len(args.tokens) * len(backends), leader)
     for ci, cfg in enumerate(args.config_list):
         for tokens in args.tokens:
@@ -743,35 +786,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     row = Row(name, cfg.name, tokens, error=f"{cfg.experts} experts do not divide over {world} ranks")
                 else:
                     row = bench_backend(name, cfg, tokens, mesh, inputs, args, expected)
-                rows.append(row)
+                record["rows"].append(row.record())
                 progress.step(f"{cfg.name} tokens={tokens} {name}: "
                               + (f"{row.total_us:.1f} us" if row.total_us is not None else "error"))
             del inputs, expected
+            write_json()
     progress.close()
 
-    device = jax.devices()[0]
-    kind = device.device_kind if device.platform != "cpu" else "cpu"
-    record = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "device": f"{len(jax.devices())}x {kind}",
-        "world": world,
-        "processes": jax.process_count(),
-        "command": command_line(argv),
-        "jax": jax.__version__,
-        "chain": args.chain,
-        "repeats": args.repeats,
-        "seed": seed,
-        "configs": {c.name: c.describe() for c in args.config_list},
-        "rows": [r.record() for r in rows],
-    }
+    record["complete"] = True
+    write_json()
     if leader:
         print(f"jax_moe_comm bench: {record['device']}, world {world}, {jax.process_count()} process(es), "
               f"jax {jax.__version__}, chain {args.chain}, repeats {args.repeats}, seed {seed}")
         print(format_table(record["rows"]))
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
             print(f"wrote {args.json}")
         if args.plot and plot_record(record, args.plot):
             print(f"wrote {args.plot}")

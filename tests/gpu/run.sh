@@ -33,6 +33,26 @@ if ! timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_prob
 fi
 grep "NVSHMEM up" "$OUT/bootstrap.log" | tee -a "$OUT/summary.txt"
 
+step "launcher: 2 nodes x 1 GPU on one host"
+port=$((20000 + RANDOM % 10000))
+for node in 0 1; do
+  CUDA_VISIBLE_DEVICES=$node timeout 120 python3 -m jax_moe_comm.launch -n 1 --nnodes 2 --node-rank $node \
+    --coordinator 127.0.0.1:$port -- tests/gpu/bootstrap_probe.py > "$OUT/two_nodes_$node.log" 2>&1 &
+  pids[$node]=$!
+done
+wait "${pids[0]}"; rc0=$?; wait "${pids[1]}"; rc1=$?
+grep -h "NVSHMEM up" "$OUT"/two_nodes_*.log | tee -a "$OUT/summary.txt"
+step "two-node launch exit codes $rc0 $rc1"
+
+if [ -n "${SANITIZE:-}" ]; then
+  step "compute-sanitizer memcheck, one small case"
+  timeout 300 compute-sanitizer --tool memcheck --target-processes all --print-limit 20 \
+    python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$OUT/sanitizer.log" 2>&1
+  rc=$?
+  grep -E "ERROR SUMMARY|PASS|FAIL|passed" "$OUT/sanitizer.log" | tail -8 | tee -a "$OUT/summary.txt"
+  step "sanitizer exit code $rc"
+fi
+
 step "NVSHMEM vs reference cases"
 timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
   > "$OUT/cases.log" 2>&1

@@ -1,0 +1,202 @@
+"""The benchmark CLI on CPU (``--quick``), its record, the renderer, and the baselines against a NumPy oracle."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_moe_comm import baselines
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW_KEYS = {"backend", "config", "tokens", "dispatch_us", "combine_us", "total_us", "gbps"}
+
+
+def _load_render():
+    spec = importlib.util.spec_from_file_location("bench_render", ROOT / "benchmarks" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One ``--quick`` run in a subprocess (no XLA_FLAGS: the bench sets up its 8 CPU devices itself)."""
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_FLAGS" and not k.startswith("JAX_") or k == "JAX_ENABLE_X64"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "jax_moe_comm.bench", "--quick", "--backends", "reference,padded,ragged",
+           "--json", str(out / "tmp.json"), "--plot", str(out / "tmp.png")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    print(proc.stdout[-5000:])
+    print(proc.stderr[-5000:], file=sys.stderr)
+    return proc, out
+
+
+def test_quick_bench_runs_and_writes_the_record(quick_run):
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((out / "tmp.json").read_text())
+    for key in ("date", "commit", "device", "world", "command", "jax", "rows"):
+        assert key in record, key
+    assert record["world"] == 8 and record["device"] == "8x cpu"
+    assert "--quick" in record["command"] and record["jax"] == jax.__version__
+    rows = record["rows"]
+    assert {(r["config"], r["tokens"], r["backend"]) for r in rows} == {
+        (c, 8, b) for c in ("r1", "v2lite") for b in ("reference", "padded", "ragged")}
+    for row in rows:
+        assert ROW_KEYS <= set(row), row
+        if row["backend"] in ("reference", "padded"):
+            assert row.get("error") is None, row
+            assert row["total_us"] > 0 and row["gbps"] is not None, row
+            assert row["dispatch_us"] is not None and row["combine_us"] is not None, row
+            assert row["rel_err"] < 2e-2, row
+        else:  # XLA:CPU has no ragged_all_to_all; a platform that has one must give a time
+            assert row.get("error") or row["total_us"] > 0, row
+            if row.get("error"):
+                assert row["total_us"] is None
+    # The table went to stdout.
+    assert "reference" in proc.stdout and "padded" in proc.stdout and "total_us" in proc.stdout
+
+
+def test_render_writes_the_table_between_the_markers(quick_run, tmp_path, capsys):
+    _, out = quick_run
+    render = _load_render()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Results\n\nbefore\n{render.BEGIN}\nold table\n{render.END}\nafter\n")
+    assert render.main([str(out / "tmp.json"), "--readme", str(readme), "--png", str(tmp_path / "latest.png")]) == 0
+    text = readme.read_text()
+    table = text[text.index(render.BEGIN):text.index(render.END)]
+    assert "old table" not in table and "before" in text and "after" in text
+    assert "reference µs" in table and "padded µs" in table and "ragged µs" in table
+    assert "| r1 | 8 |" in table and "| v2lite | 8 |" in table
+    assert "8x cpu" in table
+
+    no_markers = tmp_path / "plain.md"
+    no_markers.write_text("nothing here\n")
+    render.main([str(out / "tmp.json"), "--readme", str(no_markers), "--png", str(tmp_path / "x.png")])
+    printed = capsys.readouterr().out
+    assert "padded µs" in printed and "no <!-- bench:begin -->" in printed
+    assert no_markers.read_text() == "nothing here\n"
+
+
+def test_render_speedups_and_newest_record(tmp_path):
+    render = _load_render()
+    row = dict(config="r1", tokens=128, dispatch_us=None, combine_us=None, gbps=1.0)
+    old = {"date": "2026-01-01T00:00:00+00:00", "rows": [dict(row, backend="padded", total_us=100.0)]}
+    new = {"date": "2026-02-01T00:00:00+00:00", "device": "2x NVIDIA H200", "world": 2, "commit": "abc",
+           "command": "python -m jax_moe_comm.bench", "jax": "0.11.2",
+           "rows": [dict(row, backend="nvshmem", total_us=50.0), dict(row, backend="padded", total_us=100.0),
+                    dict(row, backend="ragged", total_us=None, error="UNIMPLEMENTED")]}
+    (tmp_path / "b.json").write_text(json.dumps(old))
+    (tmp_path / "a.json").write_text(json.dumps(new))
+    assert render.newest_record(tmp_path).name == "a.json"
+    table = render.markdown_table(new)
+    assert "nvshmem vs padded" in table and "2.00×" in table and "| error |" in table
+    assert "ragged: r1 tokens 128: UNIMPLEMENTED" in table
+
+
+# Baselines vs a NumPy brute force ------------------------------------------------------------------------------
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name, axis_index_groups=None):
+    """jax.lax.ragged_all_to_all from all_gathers (XLA:CPU has no ragged-all-to-all): for each source s, its chunk
+    for me (rows input_offsets[s][me] + [0, send_sizes[s][me])) lands at output_offsets[s][me] of my output."""
+    del recv_sizes, axis_index_groups
+    me = jax.lax.axis_index(axis_name)
+    rows = jax.lax.all_gather(operand, axis_name)
+    starts, sizes, dests = (jax.lax.all_gather(a, axis_name)[:, me] for a in (input_offsets, send_sizes,
+                                                                              output_offsets))
+    index = jnp.arange(operand.shape[0])
+    for s in range(jax.lax.axis_size(axis_name)):
+        inside = (index >= starts[s]) & (index < starts[s] + sizes[s])
+        target = jnp.where(inside, dests[s] + index - starts[s], output.shape[0])
+        output = output.at[target].set(rows[s], mode="drop")
+    return output
+
+
+def _brute_force(x, ids, w, expert_fn):
+    y = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            if ids[t, k] >= 0:
+                y[t] += w[t, k] * expert_fn(x[t].astype(np.float64))
+    return y
+
+
+@pytest.mark.parametrize("kind", ["padded", "ragged"])
+def test_baseline_round_trip_matches_numpy(kind, make_mesh, rng, monkeypatch):
+    world, T, H, E, K = 4, 6, 32, 16, 3
+    mesh = make_mesh(world)
+    if kind == "ragged" and jax.devices()[0].platform == "cpu":
+        monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(world * T)]).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.25] = -1  # unused slots
+    ids[0] = [0, 1, 2]  # one token with every slot on rank 0's experts
+    w = rng.random((world * T, K)).astype(np.float32)
+
+    def expert_fn(rows):
+        return rows * 3.0 - 1.0  # exact in float32 for these inputs' scale
+
+    round_trip = getattr(baselines, f"{kind}_round_trip")
+    fn = functools.partial(round_trip, num_experts=E, axis_name="ep", expert_fn=expert_fn)
+    y = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, ids, w)
+    np.testing.assert_allclose(np.asarray(y), _brute_force(x, ids, w, expert_fn), rtol=1e-5, atol=1e-5)
+
+    # The dispatch half: each rank gets exactly the rows routed to its experts, grouped by local expert.
+    dispatch = getattr(baselines, f"{kind}_dispatch")
+    d = jax.jit(jax.shard_map(functools.partial(dispatch, num_experts=E, axis_name="ep"), mesh=mesh,
+                              in_specs=P("ep"), out_specs=P("ep")))(x, ids)
+    L, rows_per_rank = E // world, d.expert_x.shape[0] // world
+    for r in range(world):
+        rows = np.asarray(d.expert_x[r * rows_per_rank:(r + 1) * rows_per_rank])
+        mine = [(e, t) for t in range(world * T) for e in ids[t] if e // L == r]
+        if kind == "ragged":  # by local expert, then source rank, then token
+            sizes = np.asarray(d.group_sizes[r * L:(r + 1) * L])
+            assert sizes.tolist() == [sum(e == r * L + j for e, _ in mine) for j in range(L)]
+            expect = np.stack([x[t] for _, t in sorted(mine)]) if mine else np.zeros((0, H), np.float32)
+            np.testing.assert_array_equal(rows[:len(mine)], expect)
+            assert not rows[len(mine):].any()
+        else:  # one chunk per source rank, each sorted by expert, then zero padding
+            local = np.asarray(d.expert_ids[r * rows_per_rank:(r + 1) * rows_per_rank])
+            got = sorted((r * L + int(e), tuple(row)) for e, row in zip(local, rows, strict=True) if e >= 0)
+            assert got == sorted((e, tuple(x[t])) for e, t in mine)
+            assert not rows[local < 0].any()
+
+
+def test_baseline_round_trip_fp8_with_scales(make_mesh, rng):
+    """fp8 payload + block scales through padded: the expert sees dequantizable rows with their scales."""
+    world, T, H, E, K, B = 4, 4, 256, 8, 2, 128
+    mesh = make_mesh(world)
+    xq = (rng.standard_normal((world * T, H)) * 50).astype(jnp.float8_e4m3fn)
+    scales = (rng.random((world * T, H // B)) + 0.5).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(world * T)]).astype(np.int32)
+    w = rng.random((world * T, K)).astype(np.float32)
+
+    def expert_fn(rows, row_scales):
+        n = rows.shape[0]
+        deq = rows.astype(jnp.float32).reshape(n, H // B, B) * row_scales[:, :, None]
+        return deq.reshape(n, H).astype(jnp.bfloat16)
+
+    def fn(x, ids, w, scales):
+        return baselines.padded_round_trip(x, ids, w, num_experts=E, axis_name="ep", expert_fn=expert_fn,
+                                           scales=scales)
+
+    y = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(xq, ids, w, scales)
+    assert y.dtype == jnp.bfloat16
+    deq = (xq.astype(np.float32).reshape(-1, H // B, B) * scales[:, :, None]).reshape(-1, H)
+    want = _brute_force(deq.astype(jnp.bfloat16).astype(np.float32), ids, w, lambda r: r)
+    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
