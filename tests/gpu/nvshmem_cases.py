@@ -1,6 +1,6 @@
 """NVSHMEM backend vs the reference backend, one process per GPU (run through jax_moe_comm.launch).
 
-    python -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py [--seed S] [--only NAME]
+    python -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py [--seed S] [--only TEXT] [--skip TEXT]
 
 Every case builds fresh random routing, runs both backends on the same global arrays and compares: layout
 bit-exact (expert_x and expert_scales rows that hold tokens, group_sizes, handle.row_origin), combine within the
@@ -242,7 +242,8 @@ def case_timeout(mesh, seed):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
-    parser.add_argument("--only", default="")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+    parser.add_argument("--skip", default="", help="skip the cases whose name contains this")
     args = parser.parse_args()
     initialize_distributed()
     jmc.initialize(symmetric_size="8G")
@@ -274,7 +275,7 @@ def main() -> int:
     ]
     passed = failed = 0
     for i, (name, fn) in enumerate(cases):
-        if args.only and args.only not in name:
+        if (args.only and args.only not in name) or (args.skip and args.skip in name):
             continue
         t0 = time.time()
         try:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build the CUDA extension and run the GPU tests, demo and benchmark on a machine with 2 GPUs (one call).
 #   bash tests/gpu/run.sh            # logs under $OUT (or /tmp/jmc_gpu_out)
+# Optional: CASES=TEXT / CASES_SKIP=TEXT pick cases by name; SANITIZE=TEXT runs that case under compute-sanitizer;
+# BENCH="args" runs python -m jax_moe_comm.bench with those arguments.
 # Builds offline (every build dependency is expected installed); a carried .whl/ folder (nvshmem4py) is installed
 # into /tmp/site first. Prints a summary last.
 set -u -o pipefail
@@ -55,6 +57,7 @@ fi
 
 step "NVSHMEM vs reference cases"
 timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
+  ${CASES_SKIP:+--skip "$CASES_SKIP"} \
   > "$OUT/cases.log" 2>&1
 rc=$?
 grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$OUT/cases.log" | tee -a "$OUT/summary.txt"
