@@ -19,7 +19,7 @@ from jax import Array
 
 from . import _native, errors, runtime
 from .config import Geometry, MoECommConfig
-from .types import CombineHandle, Dispatched
+from .types import CombineHandle, Dispatched, pytree_dataclass
 
 THREADS = 256            # 8 warps per block
 MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
@@ -99,13 +99,7 @@ def destroy_plan(plan: Plan) -> None:
     _native.ext.destroy_context(plan.ctx)
 
 
-def _pytree(cls, meta=()):
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=list(meta))
-
-
-@_pytree
+@pytree_dataclass
 class PendingDispatch:
     """dispatch_send's status (its arrival orders dispatch_recv after it) and what combine will need."""
 
@@ -114,7 +108,7 @@ class PendingDispatch:
     num_tokens: Array
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass(static=("in_dtype",))
 class PendingCombine:
     """combine_send's status (orders combine_recv after it), dispatch's recorded errors, and the routing."""
 
@@ -124,9 +118,6 @@ class PendingCombine:
     num_tokens: Array
     in_dtype: int  # static: dtype code of expert_y rows in flight
 
-
-jax.tree_util.register_dataclass(PendingCombine, data_fields=["status", "dispatch_status", "topk_ids", "num_tokens"],
-                                 meta_fields=["in_dtype"])
 
 _STATUS = jax.ShapeDtypeStruct((errors.STATUS_WORDS,), jnp.int32)
 

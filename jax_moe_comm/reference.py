@@ -14,24 +14,16 @@ All functions run per shard, inside shard_map over ``axis_name``. Plain JAX AD d
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import Array
 
 from . import errors
 from .config import Geometry, round_up
-from .types import CombineHandle, Dispatched
+from .types import CombineHandle, Dispatched, pytree_dataclass
 
 
-def _pytree(cls):
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
-
-
-@_pytree
+@pytree_dataclass
 class PendingDispatch:
     """Rows in flight after dispatch_send (per shard). ``recv_meta`` [world, rows_per_peer] int32 holds, for each
     row that arrived from source rank s, ``(local_expert * max_tokens + token) * K + slot``, or -1."""
@@ -44,7 +36,7 @@ class PendingDispatch:
     status: Array
 
 
-@_pytree
+@pytree_dataclass
 class PendingCombine:
     """Expert rows in flight after combine_send: ``recv_y`` [world, rows_per_peer, H] and ``recv_slot``
     [world, rows_per_peer] int32 (``token * K + slot`` on this rank, -1 for none)."""

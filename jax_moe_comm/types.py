@@ -12,14 +12,20 @@ import jax
 from jax import Array
 
 
-def _pytree(cls):
-    """Registers a dataclass as a pytree whose fields are all array leaves (None fields are empty)."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+def pytree_dataclass(cls=None, *, static: tuple[str, ...] = ()):
+    """A frozen dataclass registered as a pytree: every field is an array leaf (None is an empty subtree) except
+    the `static` ones, which are part of the tree's structure."""
+
+    def register(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        data = [n for n in names if n not in static]
+        return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(static))
+
+    return register if cls is None else register(cls)
 
 
-@_pytree
+@pytree_dataclass
 class CombineHandle:
     """Everything combine needs to send expert outputs home. Per shard:
 
@@ -39,7 +45,7 @@ class CombineHandle:
     status: Array
 
 
-@_pytree
+@pytree_dataclass
 class Dispatched:
     """The result of dispatch on one shard.
 
