@@ -38,44 +38,31 @@ against the reference backend (or, without it, a NumPy brute force): relative er
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
 import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-if __name__ == "__main__":
-    # Without the launcher on a CPU-only machine, simulate 8 devices; this must precede the first jax import.
-    _flags = os.environ.get("XLA_FLAGS", "")
-    if (
-        os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu")
-        and "JAX_PROCESS_ID" not in os.environ
-        and "xla_force_host_platform_device_count" not in _flags
-    ):
-        os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
-    if "JAX_PROCESS_ID" in os.environ:
-        # NVSHMEM's symmetric heap lives outside XLA's preallocated pool (default 75% of the GPU).
-        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-import concurrent.futures  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_moe_comm  # noqa: E402
-from jax_moe_comm import _native, baselines  # noqa: E402
-from jax_moe_comm.launch import initialize_distributed  # noqa: E402
+import jax_moe_comm
+from jax_moe_comm import _native, baselines
+from jax_moe_comm._cli import prepare_process
+from jax_moe_comm.launch import initialize_distributed
 
 AXIS = "ep"
 ALL_BACKENDS = ("nvshmem", "reference", "ragged", "padded")
@@ -718,6 +705,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prepare_process()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     initialize_distributed()  # (0, 1) and nothing to do without the launcher

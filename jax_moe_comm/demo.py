@@ -17,37 +17,25 @@ The demo exits with status 1 when the check fails.
 
 from __future__ import annotations
 
-import os
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
 
-if __name__ == "__main__":
-    # Without the launcher on a CPU-only machine, simulate 8 devices. This must happen before JAX creates its
-    # backends (the first jax.devices() call), so it sits above everything else.
-    _flags = os.environ.get("XLA_FLAGS", "")
-    if (
-        os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu")
-        and "JAX_PROCESS_ID" not in os.environ
-        and "xla_force_host_platform_device_count" not in _flags
-    ):
-        os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import Array  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_moe_comm  # noqa: E402
-from jax_moe_comm import nvshmem_backend, runtime  # noqa: E402
-from jax_moe_comm.launch import initialize_distributed  # noqa: E402
+import jax_moe_comm
+from jax_moe_comm import nvshmem_backend, runtime
+from jax_moe_comm._cli import prepare_process
+from jax_moe_comm.launch import initialize_distributed
 
 AXIS = "ep"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -264,6 +252,7 @@ def start_runtime(backend: str, cfg: jax_moe_comm.MoECommConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prepare_process()
     args = parse_args(argv)
     dtype = DTYPES[args.dtype]
     ffn = args.ffn or 2 * args.hidden
