@@ -16,7 +16,7 @@ from jax import Array
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from . import _native, nvshmem_backend, reference
+from . import _native, autodiff, nvshmem_backend, reference
 from .config import Geometry, MoECommConfig
 from .types import CombineHandle, Dispatched
 
@@ -45,12 +45,16 @@ class MoEComm:
       axis_name: the EP axis; its size is the world.
       backend: "reference" (pure JAX collectives, any platform), "nvshmem" (CUDA kernels; needs the CUDA
         extension and ``jax_moe_comm.initialize()``), or "auto" (nvshmem when available, else reference).
+      custom_vjp: differentiate the fused ``dispatch``/``combine`` with the rules of ``autodiff.py`` (built from
+        the backend's own phases) instead of plain JAX AD. Default: on for nvshmem (its custom calls have no
+        other gradient), off for reference.
 
     A MoEComm's calls must be used one protocol at a time (send -> recv -> combine send -> combine recv); use
     two instances to overlap two layers.
     """
 
-    def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto") -> None:
+    def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto",
+                 custom_vjp: bool | None = None) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if axis_name not in mesh.axis_names:
@@ -64,6 +68,7 @@ class MoEComm:
         cfg.validate_world(self.world, axis_name)
         self.backend = _native.resolve_backend(backend, mesh)
         self._geo = Geometry(cfg, self.world, axis_name)
+        self.custom_vjp = self.backend == "nvshmem" if custom_vjp is None else bool(custom_vjp)
         if self.backend == "nvshmem":
             self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
         else:
@@ -118,6 +123,14 @@ class MoEComm:
         if not isinstance(handle, CombineHandle):
             raise ValueError(f"handle must be the CombineHandle from dispatch, got {type(handle).__name__}")
 
+    def _check_combine_args(self, expert_y, handle):
+        self._check_handle(handle)
+        _check_array("expert_y", expert_y, (self.capacity, self.cfg.hidden), None)
+        dtype, out = np.dtype(expert_y.dtype), self.cfg.out_dtype
+        if dtype not in COMBINE_DTYPES or dtype.itemsize > out.itemsize:
+            raise ValueError(f"expert_y must have dtype bfloat16, float16 or float32 no wider than out_dtype "
+                             f"({out.name}); got {dtype.name}")
+
     def _check_weights(self, topk_weights):
         c = self.cfg
         _check_array("topk_weights", topk_weights, (c.max_tokens, c.experts_per_token), (jnp.float32,))
@@ -139,17 +152,20 @@ class MoEComm:
 
     def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None,
                  num_tokens: Array | None = None) -> Dispatched:
-        """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout."""
-        return self.dispatch_recv(self.dispatch_send(x, topk_ids, scales, num_tokens))
+        """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout. Differentiable (see custom_vjp)."""
+        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens)
+        if self.custom_vjp:
+            return autodiff.dispatch(self, x, topk_ids, scales, num_tokens)
+        return self._dispatch_primal(x, topk_ids, scales, num_tokens)
+
+    def _dispatch_primal(self, x, topk_ids, scales, num_tokens) -> Dispatched:
+        return self._impl.dispatch_recv(self._plan, self._impl.dispatch_send(self._plan, x, topk_ids, scales,
+                                                                             num_tokens))
 
     def combine_send(self, expert_y: Array, handle: CombineHandle):
-        """Starts sending expert outputs [capacity, H] (any float dtype) back to their tokens' ranks."""
-        self._check_handle(handle)
-        _check_array("expert_y", expert_y, (self.capacity, self.cfg.hidden), None)
-        dtype, out = np.dtype(expert_y.dtype), self.cfg.out_dtype
-        if dtype not in COMBINE_DTYPES or dtype.itemsize > out.itemsize:
-            raise ValueError(f"expert_y must have dtype bfloat16, float16 or float32 no wider than out_dtype "
-                             f"({out.name}); got {dtype.name}")
+        """Starts sending expert outputs [capacity, H] back to their tokens' ranks (bf16/fp16/fp32, no wider
+        than out_dtype)."""
+        self._check_combine_args(expert_y, handle)
         return self._impl.combine_send(self._plan, expert_y, handle)
 
     def combine_recv(self, pending, topk_weights: Array) -> Array:
@@ -158,9 +174,15 @@ class MoEComm:
         return self._impl.combine_recv(self._plan, pending, topk_weights)
 
     def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:
-        """``combine_recv(combine_send(expert_y, handle), topk_weights)``."""
+        """``combine_recv(combine_send(expert_y, handle), topk_weights)``. Differentiable (see custom_vjp)."""
+        self._check_combine_args(expert_y, handle)
         self._check_weights(topk_weights)
-        return self.combine_recv(self.combine_send(expert_y, handle), topk_weights)
+        if self.custom_vjp:
+            return autodiff.combine(self, expert_y, handle, topk_weights)
+        return self._combine_primal(expert_y, handle, topk_weights)
+
+    def _combine_primal(self, expert_y, handle, topk_weights) -> Array:
+        return self._impl.combine_recv(self._plan, self._impl.combine_send(self._plan, expert_y, handle), topk_weights)
 
 
 # Global view --------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ class GradCase:
     k: int
     align: int = 1
     replicas: str = "mean"  # how the loss reads a DP group's replicas: "mean" of all, or "first" only
+    custom_vjp: bool = False  # the rules of autodiff.py (the NVSHMEM backend's gradients) instead of plain AD
 
     @property
     def num_groups(self) -> int:
@@ -39,7 +40,7 @@ class GradCase:
     @property
     def id(self) -> str:
         return (f"w{self.world}-dp{self.dp_size}-E{self.num_experts}-K{self.k}-align{self.align}"
-                f"-{self.replicas}")
+                f"-{self.replicas}" + ("-custom_vjp" if self.custom_vjp else ""))
 
 
 GRAD_CASES = [
@@ -47,6 +48,9 @@ GRAD_CASES = [
     GradCase(4, 2, 8, 3, align=4),
     GradCase(4, 2, 8, 3, align=4, replicas="first"),
     GradCase(8, 2, 8, 2),  # one local expert per rank
+    GradCase(4, 1, 8, 2, custom_vjp=True),
+    GradCase(4, 1, 8, 3, align=4, custom_vjp=True),
+    GradCase(8, 1, 8, 2, custom_vjp=True),  # one local expert per rank
 ]
 
 
@@ -55,7 +59,7 @@ def ep_loss_and_grad(case: GradCase):
     """jit(value_and_grad) of the expert-parallel loss w.r.t. (x [G*T, H], topk_weights [G*T, K], W [E, H, H])."""
     cfg = MoECommConfig(case.num_experts, case.k, H, T, dtype=jnp.float32, out_dtype=jnp.float32,
                         dp_size=case.dp_size, align=case.align)
-    comm = MoEComm(cfg, ep_mesh(case.world), backend="reference")
+    comm = MoEComm(cfg, ep_mesh(case.world), backend="reference", custom_vjp=case.custom_vjp)
 
     def per_shard(x, ids, num_tokens, weights, w_local):
         d = comm.dispatch(x, ids, num_tokens=num_tokens.reshape(()))
@@ -116,3 +120,27 @@ def test_gradients_match_dense_reference(case, rng, seed, routing):
     dead = np.arange(case.num_groups * T) % T >= np.repeat(r.num_tokens, T)
     assert not np.asarray(grads[0])[dead].any(), f"tokens past num_tokens got a gradient (seed={seed})"
     assert not np.asarray(grads[1])[(ids < 0) | dead[:, None]].any(), f"-1 slots got a weight gradient (seed={seed})"
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"dp_size": 2}, "dp_size == 1"),
+    ({"dtype": jnp.float8_e4m3fn, "scale_block": 16}, "fp8"),
+])
+def test_custom_vjp_limits_are_explicit(changes, message):
+    """The custom VJP (the NVSHMEM backend's gradients) refuses what it does not support yet, by name."""
+    fields = dict(num_experts=8, experts_per_token=2, hidden=H, max_tokens=T, dtype=jnp.float32,
+                  out_dtype=jnp.float32) | changes
+    cfg = MoECommConfig(**fields)
+    comm = MoEComm(cfg, ep_mesh(4), backend="reference", custom_vjp=True)
+    fp8 = cfg.is_fp8
+
+    def loss(x, ids, w):
+        def shard(x, ids, w):
+            scales = jnp.ones((T, cfg.scale_cols), jnp.float32) if fp8 else None
+            d = comm.dispatch(x.astype(cfg.dtype), ids, scales)
+            return comm.combine(d.expert_x.astype(jnp.float32), d.handle, w)
+        return jnp.sum(jax.shard_map(shard, mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep"))(x, ids, w) ** 2)
+
+    ids = np.tile(np.array([[0, 5]], np.int32), (4 * T, 1))
+    with pytest.raises(NotImplementedError, match=message):
+        jax.grad(loss)(np.ones((4 * T, H), np.float32), ids, np.ones((4 * T, 2), np.float32))

@@ -74,7 +74,7 @@ def test_autodiff_error_of_a_custom_call_is_explained() -> None:
 
     trainer.train_step = jax.jit(step_through_ffi)
     with pytest.raises(train.AutodiffUnsupportedError,
-                       match=r"autodiff on the NVSHMEM backend is not implemented yet.*--backend reference"):
+                       match=r"gradients through the NVSHMEM backend are not available.*--backend reference"):
         trainer.compile_step({}, {}, {}, backend="nvshmem")
     with pytest.raises(ValueError, match="cannot be differentiated"):  # other backends: JAX's own error
         trainer.compile_step({}, {}, {}, backend="reference")

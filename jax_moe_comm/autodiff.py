@@ -1,0 +1,97 @@
+"""Custom VJPs of the fused dispatch and combine, built from the backend's own phases (DESIGN §3).
+
+The NVSHMEM phases are custom calls that JAX cannot differentiate; these rules give them gradients. The reference
+backend uses plain JAX AD by default and these rules with ``MoEComm(..., custom_vjp=True)``, which is how the
+rules are tested against plain AD on CPU.
+
+- dispatch backward: a combine of the row cotangents with weight 1 on every live slot (row gradients summed per
+  token, unweighted); each replica keeps the tokens it sent. Scales, ids and counts get no gradient.
+- combine backward: a dispatch of ``dy`` with the same routing (so its rows land in the forward's layout), scaled
+  on the expert side by each row's weight, plus ``dw[t, k] = <dy[t], expert_y[row(t, k)]>`` computed per row on the
+  expert side and sent home. The weights and the per-row dot products travel by ``all_gather`` (T·K and
+  capacity floats per rank: small next to the rows).
+
+A training step's backward is then one more round trip on the same MoEComm: combine's rule dispatches ``dy``,
+dispatch's rule combines the row gradients, in that order by data dependency. Limits for now: ``dp_size == 1``
+and non-fp8 payloads (the backward dispatch carries ``dy`` in the payload dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from .types import CombineHandle, Dispatched
+
+if TYPE_CHECKING:
+    from .comm import MoEComm
+
+
+def _check_supported(comm: MoEComm) -> None:
+    if comm.cfg.dp_size != 1:
+        raise NotImplementedError("gradients through the NVSHMEM backend (custom VJP) need dp_size == 1 for now")
+    if comm.cfg.is_fp8:
+        raise NotImplementedError("gradients through an fp8 dispatch are not implemented: differentiate with a "
+                                  "bf16/fp32 payload and quantize outside the MoEComm")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> Dispatched:
+    return comm._dispatch_primal(x, topk_ids, scales, num_tokens)
+
+
+def _dispatch_fwd(comm, x, topk_ids, scales, num_tokens):
+    d = comm._dispatch_primal(x, topk_ids, scales, num_tokens)
+    return d, d.handle
+
+
+def _dispatch_bwd(comm, residuals, ct: Dispatched):
+    _check_supported(comm)
+    handle = residuals
+    rows = ct.expert_x.astype(comm.cfg.out_dtype)  # combine carries rows no wider than out_dtype
+    live = (handle.topk_ids >= 0).astype(jnp.float32)  # combine drops dead slots and tokens >= num_tokens itself
+    dx = comm._combine_primal(rows, handle, live).astype(comm.cfg.dtype)  # x has the payload dtype
+    return dx, None, None, None
+
+
+dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:
+    return comm._combine_primal(expert_y, handle, topk_weights)
+
+
+def _combine_fwd(comm, expert_y, handle, topk_weights):
+    return comm._combine_primal(expert_y, handle, topk_weights), (expert_y, handle, topk_weights)
+
+
+def _combine_bwd(comm, residuals, dy):
+    _check_supported(comm)
+    expert_y, handle, topk_weights = residuals
+    T, K = comm.cfg.max_tokens, comm.cfg.experts_per_token
+    # dy[t] to every row that token t filled: the forward's routing, hence the forward's layout.
+    expert_dy = comm._dispatch_primal(dy.astype(comm.cfg.dtype), handle.topk_ids, None, handle.num_tokens).expert_x
+    expert_dy = expert_dy.astype(jnp.float32)
+    origin = handle.row_origin
+    has_token = origin >= 0
+    src, slot = jnp.where(has_token, origin // (T * K), 0), jnp.where(has_token, origin % (T * K), 0)
+
+    all_weights = jax.lax.all_gather(topk_weights.reshape(-1), comm.axis_name)  # [world, T*K]
+    row_weight = jnp.where(has_token, all_weights[src, slot], 0.0)
+    d_expert_y = (row_weight[:, None] * expert_dy).astype(expert_y.dtype)
+
+    row_dot = jnp.where(has_token, jnp.sum(expert_dy * expert_y.astype(jnp.float32), axis=-1), 0.0)  # [capacity]
+    all_dots = jax.lax.all_gather(row_dot, comm.axis_name).reshape(-1)
+    all_origin = jax.lax.all_gather(origin, comm.axis_name).reshape(-1)
+    mine = (all_origin >= 0) & (all_origin // (T * K) == jax.lax.axis_index(comm.axis_name))
+    index = jnp.where(mine, all_origin % (T * K), T * K)  # others dropped
+    d_weights = jnp.zeros((T * K,), jnp.float32).at[index].add(all_dots, mode="drop").reshape(T, K)
+    return d_expert_y, None, d_weights.astype(topk_weights.dtype)
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
