@@ -1,8 +1,8 @@
 """Custom VJPs of the fused dispatch and combine, built from the backend's own phases (DESIGN §3).
 
-The NVSHMEM phases are custom calls that JAX cannot differentiate; these rules give them gradients. The reference
-backend uses plain JAX AD by default and these rules with ``MoEComm(..., custom_vjp=True)``, which is how the
-rules are tested against plain AD on CPU.
+The NVSHMEM phases are custom calls that JAX cannot differentiate; these rules give them gradients with
+``MoEComm(..., custom_vjp=True)`` (opt-in until they have run on GPUs). The reference backend uses plain JAX AD
+unless given the same flag, which is how the rules are tested against plain AD on CPU.
 
 - dispatch backward: a combine of the row cotangents with weight 1 on every live slot (row gradients summed per
   token, unweighted); each replica keeps the tokens it sent. Scales, ids and counts get no gradient.

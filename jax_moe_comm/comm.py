@@ -46,15 +46,15 @@ class MoEComm:
       backend: "reference" (pure JAX collectives, any platform), "nvshmem" (CUDA kernels; needs the CUDA
         extension and ``jax_moe_comm.initialize()``), or "auto" (nvshmem when available, else reference).
       custom_vjp: differentiate the fused ``dispatch``/``combine`` with the rules of ``autodiff.py`` (built from
-        the backend's own phases) instead of plain JAX AD. Default: on for nvshmem (its custom calls have no
-        other gradient), off for reference.
+        the backend's own phases) instead of plain JAX AD. The NVSHMEM backend's custom calls have no other
+        gradient; the rules are checked against plain AD on CPU but not yet on GPUs, so they are opt-in for now.
 
     A MoEComm's calls must be used one protocol at a time (send -> recv -> combine send -> combine recv); use
     two instances to overlap two layers.
     """
 
     def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto",
-                 custom_vjp: bool | None = None) -> None:
+                 custom_vjp: bool = False) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if axis_name not in mesh.axis_names:
@@ -68,7 +68,7 @@ class MoEComm:
         cfg.validate_world(self.world, axis_name)
         self.backend = _native.resolve_backend(backend, mesh)
         self._geo = Geometry(cfg, self.world, axis_name)
-        self.custom_vjp = self.backend == "nvshmem" if custom_vjp is None else bool(custom_vjp)
+        self.custom_vjp = bool(custom_vjp)
         if self.backend == "nvshmem":
             self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
         else:

@@ -11,9 +11,9 @@ step draws fresh Gaussian inputs x [world * tokens, hidden] (sharded over "ep"),
 mean((student(x) - teacher(x))**2). A fixed held-out batch measures the loss every ``--log-every`` steps; the run
 exits with status 1 unless the final held-out loss is below half the initial one.
 
-Gradients flow through dispatch and combine with plain JAX AD on the reference backend and through the custom VJPs
-of ``jax_moe_comm.autodiff`` on the NVSHMEM backend. Where those are not available (dp_size > 1, fp8 payloads) the
-run stops with a message saying so (use ``--backend reference``).
+Gradients flow through dispatch and combine with plain JAX AD on the reference backend. The NVSHMEM backend's
+gradients (``MoEComm(custom_vjp=True)``, jax_moe_comm.autodiff) are opt-in and not yet wired into this example:
+with ``--backend nvshmem`` the run stops with a message saying so (use ``--backend reference``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM's own default NVSHMEM_SYMMETRIC_SIZE
 SUCCESS_RATIO = 0.5  # the final held-out loss must be below this fraction of the initial one
 NO_AUTODIFF = ("gradients through the NVSHMEM backend are not available for this step (its custom calls are "
-               "differentiated only by jax_moe_comm.autodiff, which has limits); use --backend reference to train")
+               "differentiated only by the opt-in MoEComm(custom_vjp=True), not yet GPU-validated); use --backend "
+               "reference to train")
 
 
 class AutodiffUnsupportedError(RuntimeError):

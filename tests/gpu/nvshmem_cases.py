@@ -198,7 +198,7 @@ def case_grad(mesh, seed):
     expert_w = to_global(mesh, (rng.standard_normal((8, 64, 64)) / 8).astype(np.float32))
     grads = {}
     for backend in ("nvshmem", "reference"):
-        comm = jmc.MoEComm(cfg, mesh, "ep", backend=backend)
+        comm = jmc.MoEComm(cfg, mesh, "ep", backend=backend, custom_vjp=backend == "nvshmem")
 
         def shard(x, ids, w, ew, comm=comm):
             d = comm.dispatch(x, ids)
