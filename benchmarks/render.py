@@ -7,7 +7,7 @@ The markdown table replaces whatever sits between ``<!-- bench:begin -->`` and `
 (default: the project's README.md). Without the markers the table is only printed. Rows: config x tokens per rank;
 columns: round-trip microseconds per backend, then the speed-up of nvshmem over padded and over ragged when both
 are in the record. The PNG (needs matplotlib) shows latency vs tokens per backend, log-log, one panel per config.
-Needs only the standard library (and matplotlib for the plot).
+The table needs only the standard library; the plot uses the bench's (jax_moe_comm and matplotlib).
 """
 
 from __future__ import annotations
@@ -103,38 +103,11 @@ def update_readme(readme: Path, table: str) -> bool:
 
 
 def plot(record: dict, png: Path) -> bool:
-    """Latency vs tokens per backend, log-log, one panel per config; False without matplotlib."""
-    try:
-        import matplotlib
+    """Latency vs tokens per backend, log-log, one panel per config (the bench's own plot); False without
+    matplotlib."""
+    from jax_moe_comm.bench import plot_record
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    rows = [r for r in record["rows"] if r.get("total_us") and r["total_us"] > 0]
-    configs = list(dict.fromkeys(r["config"] for r in record["rows"]))
-    fig, axes = plt.subplots(1, max(1, len(configs)), figsize=(5.5 * max(1, len(configs)), 4.2), squeeze=False)
-    for ax, config in zip(axes[0], configs, strict=False):
-        for backend in _backends(rows):
-            pts = sorted((r["tokens"], r["total_us"]) for r in rows
-                         if r["config"] == config and r["backend"] == backend)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(config)
-        ax.set_xlabel("tokens per rank")
-        ax.set_ylabel("dispatch + combine (µs)")
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    fig.suptitle(f"{record.get('device', '')}, world {record.get('world', '?')}, {str(record.get('date', ''))[:10]}, "
-                 f"commit {record.get('commit', '?')}", fontsize=9)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return True
+    return plot_record(record, png)
 
 
 def main(argv: list[str] | None = None) -> int:
