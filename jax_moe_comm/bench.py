@@ -203,10 +203,10 @@ class Impl:
 class CommImpl(Impl):
     """MoEComm, backend "nvshmem" or "reference"."""
 
-    def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh) -> None:
+    def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool) -> None:
         self.name = name
         self.halves = name != "nvshmem"
-        self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend=name)
+        self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend=name, check_errors=check_errors)
 
     def dispatch(self, x, scales, ids):
         d = self.comm.dispatch(x, ids, scales)
@@ -236,9 +236,9 @@ class BaselineImpl(Impl):
         return self._combine(expert_y, aux, w, axis_name=AXIS, out_dtype=self.cfg.combine_dtype)
 
 
-def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh) -> Impl:
+def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool = True) -> Impl:
     if name in ("nvshmem", "reference"):
-        return CommImpl(name, cfg, tokens, mesh)
+        return CommImpl(name, cfg, tokens, mesh, check_errors)
     return BaselineImpl(name, cfg)
 
 
@@ -446,7 +446,7 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
     n = args.chain
     impl = None
     try:
-        impl = make_impl(name, cfg, tokens, mesh)
+        impl = make_impl(name, cfg, tokens, mesh, args.check_errors)
         error = None
     except Exception as exc:  # noqa: BLE001 (reported in the row)
         error = short_error(exc)
@@ -677,6 +677,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="routing seed (default: random, shared by all processes)")
     p.add_argument("--no-halves", dest="halves", action="store_false",
                    help="skip timing dispatch and combine on their own (faster)")
+    p.add_argument("--no-check", dest="check_errors", action="store_false",
+                   help="MoEComm(check_errors=False): time without the per-round-trip error callback")
     p.add_argument("--json", default=None, help="write the record (see benchmarks/README.md) to this path")
     p.add_argument("--plot", default=None, help="write a PNG: latency vs tokens per backend, log-log")
     p.add_argument("--quick", action="store_true",
@@ -741,6 +743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "jax": jax.__version__,
         "chain": args.chain,
         "repeats": args.repeats,
+        "check_errors": args.check_errors,
         "seed": seed,
         "configs": {c.name: c.describe() for c in args.config_list},
         "complete": False,

@@ -48,13 +48,16 @@ class MoEComm:
       custom_vjp: differentiate the fused ``dispatch``/``combine`` with the rules of ``autodiff.py`` (built from
         the backend's own phases) instead of plain JAX AD. The NVSHMEM backend's custom calls have no other
         gradient; the rules are checked against plain AD on CPU but not yet on GPUs, so they are opt-in for now.
+      check_errors: raise routing errors, capacity overflow and timeouts at the end of each round trip (a host
+        callback, which synchronizes the stream: ~0.5 ms per round trip measured on 2xH200). With False nothing
+        is raised; dispatch's errors stay readable in ``handle.status`` (see errors.py) and combine's are lost.
 
     A MoEComm's calls must be used one protocol at a time (send -> recv -> combine send -> combine recv); use
     two instances to overlap two layers.
     """
 
     def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto",
-                 custom_vjp: bool = False) -> None:
+                 custom_vjp: bool = False, check_errors: bool = True) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if axis_name not in mesh.axis_names:
@@ -67,7 +70,7 @@ class MoEComm:
         self.world = int(mesh.shape[axis_name])
         cfg.validate_world(self.world, axis_name)
         self.backend = _native.resolve_backend(backend, mesh)
-        self._geo = Geometry(cfg, self.world, axis_name)
+        self._geo = Geometry(cfg, self.world, axis_name, check_errors=bool(check_errors))
         self.custom_vjp = bool(custom_vjp)
         if self.backend == "nvshmem":
             self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)

@@ -139,11 +139,13 @@ class MoECommConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Static sizes of one (config, EP world) pair, in the paper's notation; shared by both backends."""
+    """Static sizes of one (config, EP world) pair, in the paper's notation, and the static options of one
+    MoEComm; shared by both backends."""
 
     cfg: MoECommConfig
     world: int
     axis_name: str
+    check_errors: bool = True
 
     @property
     def T(self) -> int:  # noqa: N802 (paper notation)

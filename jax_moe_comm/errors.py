@@ -48,7 +48,7 @@ def status(code, phase: int, detail_a=0, detail_b=0) -> Array:
 
 def first_failure(*statuses: Array) -> Array:
     """The earliest non-zero status of a call's phases, else zeros."""
-    out = statuses[-1]
+    out = jnp.where(statuses[-1][0] != 0, statuses[-1], 0)
     for s in reversed(statuses[:-1]):
         out = jnp.where(s[0] != 0, s, out)
     return out
