@@ -3,8 +3,8 @@
 #   bash tests/gpu/run.sh            # logs under $OUT (or /tmp/jmc_gpu_out)
 # Optional: CASES=TEXT / CASES_SKIP=TEXT pick cases by name; SANITIZE=TEXT runs that case under compute-sanitizer;
 # BENCH="args" runs python -m jax_moe_comm.bench with those arguments.
-# Builds offline (every build dependency is expected installed); a carried .whl/ folder (nvshmem4py) is installed
-# into /tmp/site first. Prints a summary last.
+# Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
+# into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
 export NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 JAX_MOE_COMM_TIMEOUT_S=10 PYTHONUNBUFFERED=1
