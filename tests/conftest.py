@@ -7,6 +7,7 @@ rerun a failure with ``MOE_TEST_SEED=<seed>``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Must happen before jax is imported anywhere.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -171,3 +172,12 @@ def make_routing(rng, scenario: str, *, world: int, dp_size: int, num_experts: i
 def routing(rng):
     """routing(scenario, world=, dp_size=, num_experts=, k=, max_tokens=) -> Routing, drawn from this test's rng."""
     return functools.partial(make_routing, rng)
+
+
+def standalone_cpu_env() -> dict[str, str]:
+    """Environment for a package tool run as a subprocess: this one minus the 8-device XLA_FLAGS above and any
+    outer launcher's JAX_* wiring, on the CPU platform (the tool then sets up its own devices)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env

@@ -6,25 +6,19 @@ without conftest's XLA_FLAGS and without any outer launcher's JAX_* wiring.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import standalone_cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 60
 SMALL = ["--tokens", "8", "--hidden", "64", "--experts", "16", "--topk", "2", "--iters", "2"]
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
-    env["PYTHONPATH"] = str(REPO)
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], env=_env(), cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], env=standalone_cpu_env(), cwd=REPO, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
 
 

@@ -7,7 +7,6 @@ without conftest's XLA_FLAGS and without any outer launcher's JAX_* wiring.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,23 +14,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import ep_mesh
+from conftest import ep_mesh, standalone_cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
 STEPS = 30
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
-    env["PYTHONPATH"] = str(REPO)
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jax_moe_comm.examples.train", *args], env=_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run([sys.executable, "-m", "jax_moe_comm.examples.train", *args], env=standalone_cpu_env(),
+                          cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def test_training_on_8_cpu_devices_lowers_the_loss(tmp_path: Path) -> None:
