@@ -6,6 +6,8 @@ package, and asking for ``backend="nvshmem"`` then raises an error that says why
 
 from __future__ import annotations
 
+import importlib.util
+
 from jax.sharding import Mesh
 
 try:
@@ -13,7 +15,8 @@ try:
     IMPORT_ERROR: str | None = None
 except ImportError as exc:  # CPU-only build, or the NVSHMEM host library cannot be loaded
     ext = None
-    IMPORT_ERROR = str(exc)
+    _built = importlib.util.find_spec(f"{__package__}._nvshmem_ext") is not None
+    IMPORT_ERROR = str(exc) if _built else "the CUDA extension was not built (CPU-only install)"
 
 
 def build_info() -> dict:
