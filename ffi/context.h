@@ -59,6 +59,5 @@ struct Context {
 // Offsets into the staged token stride.
 inline JMC_HOST_DEVICE int scales_offset(const Sizes& s) { return s.payload_bytes; }
 inline JMC_HOST_DEVICE int header_offset(const Sizes& s) { return s.payload_bytes + 4 * s.scale_cols; }
-inline JMC_HOST_DEVICE size_t round_up16(size_t n) { return (n + 15) / 16 * 16; }
 
 }  // namespace jmc
