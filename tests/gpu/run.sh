@@ -2,7 +2,7 @@
 # Build the CUDA extension and run the GPU tests, demo and benchmark on a machine with 2 GPUs (one call).
 #   bash tests/gpu/run.sh            # logs under $OUT (or /tmp/jmc_gpu_out)
 # Optional: CASES=TEXT / CASES_SKIP=TEXT pick cases by name; SANITIZE=TEXT runs that case under compute-sanitizer;
-# BENCH="args" runs python -m jax_moe_comm.bench with those arguments.
+# BENCH="args" runs python -m jax_moe_comm.bench with those arguments; PROFILE="args" runs it under nsys (if present).
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
@@ -20,6 +20,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
 fi
 python3 -c "import jax; print('jax', jax.__version__)" | tee -a "$OUT/summary.txt"
+export PATH=$PATH:/usr/local/cuda/bin:/usr/local/cuda/compute-sanitizer
+for tool in compute-sanitizer nsys; do echo "$tool: $(command -v $tool || echo absent)"; done | tee -a "$OUT/summary.txt"
 
 step "build"
 timeout 400 cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v python3)" \
@@ -73,5 +75,13 @@ if [ -n "${BENCH:-}" ]; then
   step "bench"
   timeout 500 python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.bench $BENCH > "$OUT/bench.log" 2>&1
   tail -40 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
+if [ -n "${PROFILE:-}" ] && command -v nsys >/dev/null; then
+  step "nsys profile of: bench $PROFILE"
+  timeout 400 nsys profile -o "$OUT/profile" --force-overwrite true --trace cuda --stats false \
+    python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.bench $PROFILE > "$OUT/profile.log" 2>&1
+  timeout 120 nsys stats --report cuda_gpu_kern_sum --format csv -o "$OUT/profile" "$OUT/profile.nsys-rep" \
+    >> "$OUT/profile.log" 2>&1
+  head -25 "$OUT"/profile_cuda_gpu_kern_sum.csv | cut -c1-220 | tee -a "$OUT/summary.txt"
 fi
 step "done"
