@@ -205,8 +205,8 @@ def case_grad(mesh, seed):
             return comm.combine(jax.lax.ragged_dot(d.expert_x, ew.reshape(L, 64, 64), d.group_sizes), d.handle, w)
 
         mapped = jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-        loss = jax.jit(jax.grad(lambda x, w, ew, f=mapped: jnp.sum(f(x, ids, w, ew) ** 2), argnums=(0, 1, 2)))
-        grads[backend] = gather(loss(x, w, expert_w))
+        loss = jax.jit(jax.grad(lambda x, w, ew, ids, f=mapped: jnp.sum(f(x, ids, w, ew) ** 2), argnums=(0, 1, 2)))
+        grads[backend] = gather(loss(x, w, expert_w, ids))  # global arrays are arguments, never closed over
         comm.close()
     worst = 0.0
     for name, a, b in zip(("x", "topk_weights", "expert weights"), grads["nvshmem"], grads["reference"], strict=True):

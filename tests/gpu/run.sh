@@ -2,7 +2,9 @@
 # Build the CUDA extension and run the GPU tests, demo and benchmark on a machine with 2 GPUs (one call).
 #   bash tests/gpu/run.sh            # logs under $OUT (or /tmp/jmc_gpu_out)
 # Optional: CASES=TEXT / CASES_SKIP=TEXT pick cases by name; SANITIZE=TEXT runs that case under compute-sanitizer;
-# BENCH="args" runs python -m jax_moe_comm.bench with those arguments; PROFILE="args" runs it under nsys (if present).
+# BENCH="args" runs python -m jax_moe_comm.bench with those arguments; TRACE="args;args" runs
+# benchmarks/trace_round_trip.py (GPU time per kernel) once per argument list; TESTS=0 skips bootstrap, launcher,
+# cases and demo (build + bench/trace only).
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
@@ -21,7 +23,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 python3 -c "import jax; print('jax', jax.__version__)" | tee -a "$OUT/summary.txt"
 export PATH=$PATH:/usr/local/cuda/bin:/usr/local/cuda/compute-sanitizer
-for tool in compute-sanitizer nsys; do echo "$tool: $(command -v $tool || echo absent)"; done | tee -a "$OUT/summary.txt"
+for tool in compute-sanitizer; do echo "$tool: $(command -v $tool || echo absent)"; done | tee -a "$OUT/summary.txt"
 
 step "build"
 timeout 400 cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v python3)" \
@@ -30,6 +32,7 @@ timeout 400 cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v p
   cp build/gpu/_nvshmem_ext*.so jax_moe_comm/ || { tail -30 "$OUT/build.log"; step "build FAILED"; exit 1; }
 python3 -c "import jax_moe_comm as j; print(j.build_info())" | tee -a "$OUT/summary.txt"
 
+if [ "${TESTS:-1}" = 1 ]; then
 step "bootstrap (nvshmem4py, else the extension's own init)"
 if ! timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py 2>&1 | tee "$OUT/bootstrap.log"; then
   export JAX_MOE_COMM_BOOTSTRAP=extension
@@ -50,7 +53,7 @@ step "two-node launch exit codes $rc0 $rc1"
 
 if [ -n "${SANITIZE:-}" ]; then
   step "compute-sanitizer memcheck, one small case"
-  timeout 300 compute-sanitizer --tool memcheck --target-processes all --print-limit 20 \
+  timeout 300 compute-sanitizer --tool memcheck --target-processes all --print-limit 20 --report-api-errors no \
     python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$OUT/sanitizer.log" 2>&1
   rc=$?
   grep -E "ERROR SUMMARY|PASS|FAIL|passed" "$OUT/sanitizer.log" | tail -8 | tee -a "$OUT/summary.txt"
@@ -70,18 +73,20 @@ timeout 300 python3 -m jax_moe_comm.launch -n 2 -- python -m jax_moe_comm.demo >
 rc=$?
 grep "^\[rank 0\]   " "$OUT/demo.log" | tee -a "$OUT/summary.txt"
 step "demo exit code $rc"
+fi
 
 if [ -n "${BENCH:-}" ]; then
   step "bench"
   timeout 500 python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.bench $BENCH > "$OUT/bench.log" 2>&1
   tail -40 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
 fi
-if [ -n "${PROFILE:-}" ] && command -v nsys >/dev/null; then
-  step "nsys profile of: bench $PROFILE"
-  timeout 400 nsys profile -o "$OUT/profile" --force-overwrite true --trace cuda --stats false \
-    python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.bench $PROFILE > "$OUT/profile.log" 2>&1
-  timeout 120 nsys stats --report cuda_gpu_kern_sum --format csv -o "$OUT/profile" "$OUT/profile.nsys-rep" \
-    >> "$OUT/profile.log" 2>&1
-  head -25 "$OUT"/profile_cuda_gpu_kern_sum.csv | cut -c1-220 | tee -a "$OUT/summary.txt"
+if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trace_round_trip.py
+  IFS=';' read -ra traces <<< "$TRACE"
+  for targs in "${traces[@]}"; do
+    step "trace: $targs"
+    timeout 300 python3 -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py $targs > "$OUT/trace.log" 2>&1
+    grep "^\[rank 0\]" "$OUT/trace.log" | grep -v -E "W[0-9]{4}|GRPC|Source Location|grpc_util|^\[rank 0\] $" | tail -100 \
+      | tee -a "$OUT/summary.txt"
+  done
 fi
 step "done"

@@ -1,0 +1,105 @@
+"""Where a round trip's time goes: traces the bench's jitted chain of round trips with jax.profiler and prints the
+GPU activity per kernel name and the device timeline of one chain call (rank 0).
+
+    python -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py --tokens 128 [--check] [--chain 4]
+
+Needs CUPTI (shipped with jax's CUDA plugin); without it the trace holds host events only and this says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import sys
+import tempfile
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_moe_comm import bench
+from jax_moe_comm._cli import prepare_process
+from jax_moe_comm.launch import initialize_distributed
+
+
+def load_trace(log_dir: str) -> list[dict]:
+    paths = glob.glob(f"{log_dir}/**/*.trace.json.gz", recursive=True) + glob.glob(
+        f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)
+    if not paths:
+        return []
+    with gzip.open(paths[0], "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_events(events: list[dict]) -> list[dict]:
+    """Complete events on GPU tracks (processes whose name mentions a GPU/device stream)."""
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, name in names.items() if "GPU" in name or "gpu" in name or "device" in name.lower()}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+
+
+def main() -> int:
+    prepare_process()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", default="nvshmem")
+    p.add_argument("--config", default="r1")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--chain", type=int, default=4)
+    p.add_argument("--check", action="store_true", help="keep the per-round-trip error callback")
+    args = p.parse_args()
+    initialize_distributed()
+    mesh = Mesh(np.array(jax.devices()), (bench.AXIS,))
+    cfg = bench.CONFIGS[args.config]
+    if args.backend == "nvshmem":
+        reason = bench.start_nvshmem(True, [cfg], [args.tokens], mesh)
+        if reason:
+            print(f"nvshmem unavailable: {reason}", file=sys.stderr)
+            return 1
+    n_rows = mesh.size * args.tokens
+    x, scales = bench.make_tokens(bench.seeded(1, args.tokens), cfg, n_rows)
+    ids, w = bench.make_routing(bench.seeded(2, args.tokens), cfg, n_rows)
+    dev = tuple(bench.to_global(a, mesh) for a in (x, scales, ids, w))
+    impl = bench.make_impl(args.backend, cfg, args.tokens, mesh, check_errors=args.check)
+    fn = bench.lower_chain(bench.round_trip_chain(impl, cfg, args.chain), mesh, dev).compile()
+    for _ in range(3):
+        jax.block_until_ready(fn(*dev))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(3):
+                jax.block_until_ready(fn(*dev))
+        events = load_trace(log_dir)
+    impl.close()
+    if jax.process_index() != 0:
+        return 0
+    gpu = device_events(events)
+    print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain} check={args.check}: "
+          f"{len(events)} trace events, {len(gpu)} on GPU tracks")
+    if not gpu:
+        names = collections.Counter(e.get("name", "") for e in events if e.get("ph") == "X")
+        print("no GPU events (CUPTI missing?); most frequent host events:", names.most_common(15))
+        return 0
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in gpu:
+        by_name[e["name"][:70]].append(e["dur"])
+    print(f"{'kernel / activity':70s} {'count':>6s} {'mean us':>9s} {'total us':>9s}")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]:
+        print(f"{name:70s} {len(durs):6d} {np.mean(durs):9.1f} {sum(durs):9.1f}")
+    # The last chain call: device events in start order, with the gap before each.
+    gpu.sort(key=lambda e: e["ts"])
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    print(f"device span of 3 calls: {span:.1f} us")
+    tail = gpu[-min(len(gpu), 60):]
+    prev_end = tail[0]["ts"]
+    for e in tail:
+        print(f"  +{e['ts'] - tail[0]['ts']:9.1f}  gap {e['ts'] - prev_end:8.1f}  dur {e['dur']:8.1f}  {e['name'][:60]}")
+        prev_end = max(prev_end, e["ts"] + e["dur"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
