@@ -93,10 +93,11 @@ def main() -> int:
     gpu.sort(key=lambda e: e["ts"])
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
     print(f"device span of 3 calls: {span:.1f} us")
-    tail = gpu[-min(len(gpu), 60):]
+    tail = gpu[-min(len(gpu), 30):]
     prev_end = tail[0]["ts"]
     for e in tail:
-        print(f"  +{e['ts'] - tail[0]['ts']:9.1f}  gap {e['ts'] - prev_end:8.1f}  dur {e['dur']:8.1f}  {e['name'][:60]}")
+        start, gap = e["ts"] - tail[0]["ts"], e["ts"] - prev_end
+        print(f"  +{start:9.1f}  gap {gap:8.1f}  dur {e['dur']:8.1f}  {e['name'][:60]}")
         prev_end = max(prev_end, e["ts"] + e["dur"])
     return 0
 

@@ -1,6 +1,8 @@
-// combine_recv: per token, wait until all its live slots have landed, sum w[t,k] * row(t,k) in fp32 in slot order,
-// write the output row, reset the token's counter. Then the one global barrier: wait for every peer's sync flag
-// (it has finished reading the dispatch buffers this rank writes next) and reset it.
+// combine_recv: y[t] = sum over live slots k (in slot order) of w[t,k] * row(t,k), accumulated in fp32.
+// Each thread owns kChunk consecutive columns of one token row and waits for that token's live slots itself, so
+// every SM works even when one token is live (a warp per token walked 7168 columns serially: ~750 us). The last
+// block to finish resets the arrival counters. Then the one global barrier: wait for every
+// peer's sync flag (it has finished reading the dispatch buffers this rank writes next) and reset it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -9,73 +11,103 @@
 namespace jmc {
 namespace {
 
+constexpr int kChunk = 8;  // columns per thread: one 16-byte load of bf16/fp16 rows
 
+__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ inline float to_float(__half v) { return __half2float(v); }
+__device__ inline float to_float(float v) { return v; }
+template <typename T> __device__ inline T from_float(float v);
+template <> __device__ inline __nv_bfloat16 from_float(float v) { return __float2bfloat16(v); }
+template <> __device__ inline __half from_float(float v) { return __float2half(v); }
+template <> __device__ inline float from_float(float v) { return v; }
 
-__device__ inline float load_elem(const char* row, int h, int dtype) {
-  switch (dtype) {
-    case 0: return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(row)[h]);
-    case 1: return __half2float(reinterpret_cast<const __half*>(row)[h]);
-    default: return reinterpret_cast<const float*>(row)[h];
-  }
-}
+// kChunk elements of type T as raw 16-byte words (sizeof(T) * kChunk is 16 or 32 bytes).
+template <typename T>
+struct alignas(16) Chunk {
+  T v[kChunk];
+};
 
-__device__ inline void store_elem(void* out, size_t i, float v, int dtype) {
-  switch (dtype) {
-    case 0: reinterpret_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16(v); break;
-    case 1: reinterpret_cast<__half*>(out)[i] = __float2half(v); break;
-    default: reinterpret_cast<float*>(out)[i] = v;
-  }
-}
-
+template <typename In, typename Out>
 __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   const Sizes& s = ctx.s;
   const int K = s.experts_per_token;
-  const int lane = threadIdx.x % 32;
-  const int warps_per_block = blockDim.x / 32;
-  const int gwarp = blockIdx.x * warps_per_block + threadIdx.x / 32;
-  const int nwarps = gridDim.x * warps_per_block;
   const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
+  const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
+  // Whole-chunk vector loads/stores need every row start 16-byte aligned (slot rows are; output rows need this).
+  const bool vector_ok = s.hidden % kChunk == 0 && (s.hidden * sizeof(Out)) % 16 == 0;
+  const size_t items = static_cast<size_t>(s.max_tokens) * chunks_per_row;
 
-  for (int t = gwarp; t < s.max_tokens; t += nwarps) {
-    const size_t out_row = static_cast<size_t>(t) * s.hidden;
-    if (t >= num_tokens) {
-      for (int h = lane; h < s.hidden; h += 32) store_elem(a.out, out_row + h, 0.f, a.out_dtype);
-      continue;
-    }
-    const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
-    unsigned live_mask = 0;
-    int first_remote_peer = s.rank;
-    for (int k = 0; k < K; ++k) {
-      if (!slot_is_live(ids, k, s.num_experts)) continue;
-      live_mask |= 1u << k;
-      if (first_remote_peer == s.rank) first_remote_peer = ids[k] / s.local_experts;
-    }
-    const int live = __popc(live_mask);
-    bool landed = true;
-    if (lane == 0)
-      landed = wait_at_least(ctx.combine_arrived + t, live, s, a.status, kCombineRecv, first_remote_peer);
-    landed = __shfl_sync(0xffffffffu, landed, 0);
-    const char* slots = ctx.combine_slots + static_cast<size_t>(t) * K * s.combine_stride;
-    for (int h = lane; h < s.hidden; h += 32) {
-      float acc = 0.f;
-      if (landed) {
+  for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
+       item += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int t = static_cast<int>(item / chunks_per_row);
+    const int c0 = static_cast<int>(item % chunks_per_row) * kChunk;
+    const int cols = min(kChunk, s.hidden - c0);
+    float acc[kChunk] = {};
+    if (t < num_tokens) {
+      const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
+      unsigned live_mask = 0;
+      int first_remote_peer = s.rank;
+      for (int k = 0; k < K; ++k) {
+        if (!slot_is_live(ids, k, s.num_experts)) continue;
+        live_mask |= 1u << k;
+        const int peer = ids[k] / s.local_experts;
+        if (first_remote_peer == s.rank) first_remote_peer = peer;
+      }
+      if (wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, a.status, kCombineRecv, first_remote_peer)) {
+        const char* slots = ctx.combine_slots + static_cast<size_t>(t) * K * s.combine_stride;
         for (unsigned m = live_mask; m; m &= m - 1) {  // slots in order 0..K-1, like the reference
           const int k = __ffs(m) - 1;
-          acc += a.topk_weights[static_cast<size_t>(t) * K + k] *
-                 load_elem(slots + static_cast<size_t>(k) * s.combine_stride, h, a.in_dtype);
+          const float w = a.topk_weights[static_cast<size_t>(t) * K + k];
+          const In* row = reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
+          if (vector_ok) {
+            const Chunk<In> v = *reinterpret_cast<const Chunk<In>*>(row);
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) acc[j] += w * to_float(v.v[j]);
+          } else {
+            for (int j = 0; j < cols; ++j) acc[j] += w * to_float(row[j]);
+          }
         }
       }
-      store_elem(a.out, out_row + h, acc, a.out_dtype);
     }
-    __syncwarp();
-    if (lane == 0) ctx.combine_arrived[t] = 0;
+    Out* out = static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0;
+    if (vector_ok) {
+      Chunk<Out> v;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) v.v[j] = from_float<Out>(acc[j]);
+      *reinterpret_cast<Chunk<Out>*>(out) = v;
+    } else {
+      for (int j = 0; j < cols; ++j) out[j] = from_float<Out>(acc[j]);
+    }
   }
 
-  // The global barrier (block 0, one thread per peer), after this block's tokens.
-  __syncthreads();
+  // Every block has read its tokens' counters: the last one resets them for the next round trip (peers add to
+  // them again only after our next dispatch_send, which the stream runs after this kernel).
+  if (last_block_done(ctx.blocks_done)) {
+    for (int t = threadIdx.x; t < s.max_tokens; t += blockDim.x) ctx.combine_arrived[t] = 0;
+    if (threadIdx.x == 0) *ctx.blocks_done = 0;
+  }
+
+  // The global barrier (block 0, one thread per peer).
   if (blockIdx.x == 0 && threadIdx.x < s.world && threadIdx.x != s.rank) {
     if (wait_at_least(ctx.sync_flags + threadIdx.x, 1, s, a.status, kCombineRecv, threadIdx.x))
       ctx.sync_flags[threadIdx.x] = 0;
+  }
+}
+
+template <typename In>
+void* kernel_for_out(int out_dtype) {
+  switch (out_dtype) {
+    case 0: return reinterpret_cast<void*>(combine_recv_kernel<In, __nv_bfloat16>);
+    case 1: return reinterpret_cast<void*>(combine_recv_kernel<In, __half>);
+    default: return reinterpret_cast<void*>(combine_recv_kernel<In, float>);
+  }
+}
+
+void* kernel_for(int in_dtype, int out_dtype) {
+  switch (in_dtype) {
+    case 0: return kernel_for_out<__nv_bfloat16>(out_dtype);
+    case 1: return kernel_for_out<__half>(out_dtype);
+    default: return kernel_for_out<float>(out_dtype);
   }
 }
 
@@ -84,8 +116,12 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
 cudaError_t launch_combine_recv(const Context& ctx, const CombineRecvArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(a.status, 0, kStatusWords * sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  combine_recv_kernel<<<ctx.s.num_blocks, ctx.s.threads, 0, stream>>>(ctx, a);
-  return cudaGetLastError();
+  const size_t items = static_cast<size_t>(ctx.s.max_tokens) * ((ctx.s.hidden + kChunk - 1) / kChunk);
+  Context c = ctx;
+  CombineRecvArgs args = a;
+  void* params[] = {&c, &args};
+  return cudaLaunchKernel(kernel_for(a.in_dtype, a.out_dtype), blocks_for(items, kThreads, 8 * ctx.s.sm_count),
+                          kThreads, params, 0, stream);
 }
 
 }  // namespace jmc

@@ -1,4 +1,5 @@
-// combine_send: tell every peer we are done reading our dispatch buffers (sync flag), then send each valid
+// combine_send: reset the dispatch counters and tell every peer we are done reading our dispatch buffers (sync
+// flag), then send each valid
 // expert output row home, to every replica of its source DP group, into the slot (token, top-k slot).
 #include "device_common.cuh"
 
@@ -7,8 +8,19 @@ namespace {
 
 __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
   const Sizes& s = ctx.s;
-  if (blockIdx.x == 0 && threadIdx.x < s.world && threadIdx.x != s.rank)
-    nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+  if (blockIdx.x == 0) {
+    // dispatch_recv (finished: same stream) has read every dispatch counter: reset them before the sync flag
+    // lets a peer start its next dispatch_send into them.
+    const int regions = s.local_experts * s.world;
+    for (int i = threadIdx.x; i < regions; i += blockDim.x) {
+      ctx.dispatch_count[i] = 0;
+      ctx.dispatch_arrived[i] = 0;
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < s.world && threadIdx.x != s.rank)
+      nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+  }
 
   const int lane = threadIdx.x % 32;
   const int warps_per_block = blockDim.x / 32;
@@ -38,7 +50,8 @@ __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
 cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(a.status, 0, kStatusWords * sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
-  combine_send_kernel<<<ctx.s.num_blocks, ctx.s.threads, 0, stream>>>(ctx, a);
+  const int blocks = blocks_for(ctx.s.capacity, kThreads / 32, 8 * ctx.s.sm_count);  // a warp per row
+  combine_send_kernel<<<blocks, kThreads, 0, stream>>>(ctx, a);
   return cudaGetLastError();
 }
 

@@ -1,6 +1,6 @@
 // The state of one MoEComm on one rank: static sizes plus pointers into the NVSHMEM symmetric heap.
 // Created once (collectively) by MoEComm construction, reused by every call; handlers find it through the
-// integer attribute `ctx` (the address of this struct).
+// integer attribute `context` (the address of this struct).
 #pragma once
 
 #include <cstddef>
@@ -39,8 +39,10 @@ struct Sizes {
   int slots_per_region;// ceil(max_tokens / dp_size): most tokens one replica sends to one expert
   int combine_stride;  // bytes of one combine row (hidden * 4, the widest expert_y dtype), 16-aligned
   int64_t timeout_ns;
-  int num_blocks, threads;  // launch shape (co-resident: at most one block per SM)
+  int sm_count;  // each launch sizes its grid from its work, capped by this
 };
+
+constexpr int kThreads = 256;  // threads per block of every kernel (8 warps)
 
 struct Context {
   Sizes s;
@@ -53,6 +55,8 @@ struct Context {
   char* combine_slots;        // [max_tokens][K] combine rows arriving here
   uint64_t* combine_arrived;  // [max_tokens] rows landed per token
   uint64_t* sync_flags;       // [world] 1 = that peer finished reading its dispatch buffers
+  // Local only (never addressed by peers).
+  unsigned* blocks_done;      // [1] combine_recv blocks finished; the last one resets combine_arrived
   size_t symmetric_bytes;
 };
 

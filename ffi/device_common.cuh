@@ -74,6 +74,24 @@ __device__ inline void warp_zero(void* dst, int bytes, int lane) {
   for (int i = vecs * 16 + lane; i < bytes; i += 32) d[i] = 0;
 }
 
+// True in exactly one block, the last to get here; every block's earlier writes are visible to it.
+__device__ inline bool last_block_done(unsigned* counter) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  return last;
+}
+
+// Blocks for `work` items at `per_block` items each, at least 1 and at most `cap`.
+inline int blocks_for(long long work, int per_block, int cap) {
+  const long long b = (work + per_block - 1) / per_block;
+  return static_cast<int>(b < 1 ? 1 : (b > cap ? cap : b));
+}
+
 // Launch helpers (host side), one per phase; each returns the CUDA error of its launch.
 struct DispatchSendArgs {
   const void* x; const float* scales; const int32_t* topk_ids; const int32_t* num_tokens; int32_t* status;

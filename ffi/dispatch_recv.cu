@@ -1,11 +1,9 @@
 // dispatch_recv: wait for every source's count, then for its rows; pack them by (local expert, source DP group,
-// token) into expert_x at offsets every block derives from the counts; write group_sizes and row_origin; reset
-// the counters for the next call.
-#include <cooperative_groups.h>
+// token) into expert_x at offsets every block derives from the counts; write group_sizes and row_origin. The
+// counters are reset by combine_send, which the stream runs after every block here has read them.
+#include <cub/block/block_scan.cuh>
 
 #include "device_common.cuh"
-
-namespace cg = cooperative_groups;
 
 namespace jmc {
 namespace {
@@ -35,14 +33,30 @@ __device__ inline int tokens_before(const Context& ctx, size_t region, int count
   return lo;
 }
 
+// out[i] = sum of in[j] for j < i, for i in [0, n], with the whole block (in smem or global, out in smem).
+template <typename Scan>
+__device__ void block_exclusive_sum(typename Scan::TempStorage& temp, const int* in, int* out, int n) {
+  int running = 0;
+  for (int base = 0; base <= n; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    int value = i < n ? in[i] : 0, prefix, total;
+    Scan(temp).ExclusiveSum(value, prefix, total);
+    if (i <= n) out[i] = running + prefix;
+    running += total;
+    __syncthreads();
+  }
+}
+
 __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_temp;
   const Sizes& s = ctx.s;
   const int L = s.local_experts, W = s.world, regions = L * W;
   extern __shared__ int smem[];
   int* count = smem;                       // [L * W] rows from each (local expert, source rank)
   int* region_start = count + regions;     // [L * W + 1] flat prefix of count (rows in arrival order)
   int* expert_start = region_start + regions + 1;  // [L + 1] packed (aligned) start of each expert
-  int* expert_rows = expert_start + L + 1; // [L] unpadded rows per expert
+  int* expert_rows = expert_start + L + 1; // [L] unpadded rows, then padded rows, per expert
   int* group_base = expert_rows + L;       // [L * num_dp] packed start of (expert, source group)
 
   // 1. Counts: every block waits for all of them (count + 1 arrives; 0 means not yet).
@@ -52,24 +66,18 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
     count[i] = min(max(c, 0), s.slots_per_region);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int flat = 0, packed = 0;
-    for (int l = 0; l < L; ++l) {
-      expert_start[l] = packed;
-      int rows = 0;
-      for (int g = 0; g < s.num_dp; ++g) {
-        group_base[l * s.num_dp + g] = packed + rows;
-        for (int j = 0; j < s.dp_size; ++j) rows += count[l * W + g * s.dp_size + j];
-      }
-      for (int src = 0; src < W; ++src) {
-        region_start[l * W + src] = flat;
-        flat += count[l * W + src];
-      }
-      expert_rows[l] = rows;
-      packed += (rows + s.align - 1) / s.align * s.align;
-    }
-    expert_start[L] = packed;
-    region_start[regions] = flat;
+  // Regions are ordered (expert, source), so one prefix gives both the flat order and each expert's rows.
+  block_exclusive_sum<Scan>(scan_temp, count, region_start, regions);
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    const int rows = region_start[(l + 1) * W] - region_start[l * W];
+    expert_rows[l] = (rows + s.align - 1) / s.align * s.align;  // padded, for the prefix below
+  }
+  __syncthreads();
+  block_exclusive_sum<Scan>(scan_temp, expert_rows, expert_start, L);
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    expert_rows[l] = region_start[(l + 1) * W] - region_start[l * W];
+    for (int g = 0; g < s.num_dp; ++g)
+      group_base[l * s.num_dp + g] = expert_start[l] + region_start[l * W + g * s.dp_size] - region_start[l * W];
   }
   __syncthreads();
   const int packed_rows = expert_start[L];
@@ -119,25 +127,18 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
     }
   }
 
-  // 3. Rows holding no token: origin -1; alignment padding inside the packed region is zeroed.
-  for (int p = gwarp; p < s.capacity; p += nwarps) {
+  // 3. Rows holding no token: origin -1 (a thread per row); alignment padding inside the packed region is zeroed.
+  // The counters are reset by combine_send, once every block of this kernel has read them.
+  for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < s.capacity; p += gridDim.x * blockDim.x) {
     const int l = p < packed_rows ? find_run(expert_start, L, p) : L;
-    const bool token_row = l < L && p - expert_start[l] < expert_rows[l];
-    if (token_row) continue;
-    if (lane == 0) a.row_origin[p] = -1;
-    if (p < packed_rows) {
+    if (l == L || p - expert_start[l] >= expert_rows[l]) a.row_origin[p] = -1;
+  }
+  if (s.align > 1) {
+    for (int p = gwarp; p < packed_rows; p += nwarps) {
+      const int l = find_run(expert_start, L, p);
+      if (p - expert_start[l] < expert_rows[l]) continue;
       warp_zero(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, s.payload_bytes, lane);
       if (s.scale_cols) warp_zero(a.expert_scales + static_cast<size_t>(p) * s.scale_cols, 4 * s.scale_cols, lane);
-    }
-  }
-
-  // 4. Every block has read the counts and every row has landed: reset for the next call. A peer's next
-  // dispatch_send cannot start before our combine_send has set its sync flag, which comes after this.
-  cg::this_grid().sync();
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < regions; i += blockDim.x) {
-      ctx.dispatch_count[i] = 0;
-      ctx.dispatch_arrived[i] = 0;
     }
   }
 }
@@ -153,14 +154,17 @@ cudaError_t launch_dispatch_recv(const Context& ctx, const DispatchRecvArgs& a, 
   cudaError_t err = cudaMemsetAsync(a.status, 0, kStatusWords * sizeof(int32_t), stream);
   if (err != cudaSuccess) return err;
   const size_t shared = dispatch_recv_shared_bytes(ctx.s);
-  err = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(shared));
-  if (err != cudaSuccess) return err;
+  if (shared > 48 * 1024) {
+    err = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(shared));
+    if (err != cudaSuccess) return err;
+  }
+  // A warp per received row; blocks only wait on peers' sends, never on each other, so any grid is safe.
+  const int blocks = blocks_for(ctx.s.capacity, kThreads / 32, 4 * ctx.s.sm_count);
   Context c = ctx;
   DispatchRecvArgs args = a;
   void* params[] = {&c, &args};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dispatch_recv_kernel), ctx.s.num_blocks, ctx.s.threads,
-                                     params, shared, stream);
+  return cudaLaunchKernel(reinterpret_cast<void*>(dispatch_recv_kernel), blocks, kThreads, params, shared, stream);
 }
 
 }  // namespace jmc

@@ -85,8 +85,10 @@ cudaError_t launch_dispatch_send(const Context& ctx, const DispatchSendArgs& a, 
   Context c = ctx;
   DispatchSendArgs args = a;
   void* params[] = {&c, &args};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dispatch_send_kernel), ctx.s.num_blocks,
-                                     ctx.s.threads, params, 0, stream);
+  // Cooperative (grid.sync), so at most one block per SM; a warp per token to pack and per expert to send.
+  const int blocks = blocks_for(std::max(ctx.s.max_tokens, ctx.s.num_experts), kThreads / 32, ctx.s.sm_count);
+  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dispatch_send_kernel), blocks, kThreads, params, 0,
+                                     stream);
 }
 
 }  // namespace jmc

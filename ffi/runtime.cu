@@ -55,10 +55,10 @@ std::tuple<int, int, int> host_version() {
 namespace {
 
 struct Layout {  // byte sizes of each symmetric buffer
-  size_t dispatch_staging, dispatch_slots, dispatch_words, combine_staging, combine_slots, combine_words, sync;
+  size_t dispatch_staging, dispatch_slots, dispatch_words, combine_staging, combine_slots, combine_words, sync, local;
   size_t total() const {
     return dispatch_staging + dispatch_slots + 2 * dispatch_words + combine_staging + combine_slots + combine_words +
-           sync;
+           sync + local;
   }
 };
 
@@ -72,6 +72,7 @@ Layout layout_of(const Sizes& s) {
       static_cast<size_t>(s.max_tokens) * s.experts_per_token * s.combine_stride,
       static_cast<size_t>(s.max_tokens) * sizeof(uint64_t),
       static_cast<size_t>(s.world) * sizeof(uint64_t),
+      16,
   };
 }
 
@@ -107,6 +108,7 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   ctx->combine_slots = take(bytes.combine_slots);
   ctx->combine_arrived = reinterpret_cast<uint64_t*>(take(bytes.combine_words));
   ctx->sync_flags = reinterpret_cast<uint64_t*>(take(bytes.sync));
+  ctx->blocks_done = reinterpret_cast<unsigned*>(take(bytes.local));
   ctx->symmetric_bytes = bytes.total();
   nvshmem_barrier_all();  // every rank's buffers are zero before anyone may put into them
   return ctx;

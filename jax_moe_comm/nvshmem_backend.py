@@ -9,7 +9,6 @@ feeds combine_recv. A MoEComm's calls must form one protocol at a time (see MoEC
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 import jax
@@ -21,7 +20,6 @@ from . import _native, errors, runtime
 from .config import Geometry, MoECommConfig
 from .types import CombineHandle, Dispatched, pytree_dataclass
 
-THREADS = 256            # 8 warps per block
 MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
 _DTYPE_CODE = {np.dtype(jnp.bfloat16): 0, np.dtype(jnp.float16): 1, np.dtype(jnp.float32): 2}
 _registered = False
@@ -43,8 +41,6 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132)
     """The ``Sizes`` struct of ffi/context.h for one rank."""
     geo = Geometry(cfg, world, "")
     payload = cfg.hidden * np.dtype(cfg.dtype).itemsize
-    warps = THREADS // 32
-    work = max(cfg.num_experts, cfg.max_tokens, geo.capacity)
     return dict(
         rank=rank, world=world, dp_size=cfg.dp_size, num_dp=geo.num_dp, max_tokens=cfg.max_tokens,
         experts_per_token=cfg.experts_per_token, hidden=cfg.hidden, num_experts=cfg.num_experts,
@@ -54,7 +50,7 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132)
         slots_per_region=-(-cfg.max_tokens // cfg.dp_size),
         combine_stride=_round16(cfg.hidden * np.dtype(cfg.out_dtype).itemsize),
         timeout_ns=int(float(os.environ.get("JAX_MOE_COMM_TIMEOUT_S", "30")) * 1e9),
-        num_blocks=max(1, min(sm_count, math.ceil(work / warps))), threads=THREADS,
+        sm_count=sm_count,
     )
 
 
@@ -64,7 +60,7 @@ def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
     regions = s["local_experts"] * world
     return (s["max_tokens"] * s["token_stride"] + regions * s["slots_per_region"] * s["token_stride"]
             + 2 * regions * 8 + s["capacity"] * s["combine_stride"]
-            + s["max_tokens"] * s["experts_per_token"] * s["combine_stride"] + s["max_tokens"] * 8 + world * 8)
+            + s["max_tokens"] * s["experts_per_token"] * s["combine_stride"] + s["max_tokens"] * 8 + world * 8 + 16)
 
 
 @dataclasses.dataclass(frozen=True)
