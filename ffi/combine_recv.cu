@@ -30,6 +30,7 @@ struct alignas(16) Chunk {
 template <typename In, typename Out>
 __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   const Sizes& s = ctx.s;
+  int32_t* status = phase_status(ctx, kCombineRecv);
   const int K = s.experts_per_token;
   const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
   const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
@@ -53,7 +54,7 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
         const int peer = ids[k] / s.local_experts;
         if (first_remote_peer == s.rank) first_remote_peer = peer;
       }
-      if (wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, a.status, kCombineRecv, first_remote_peer)) {
+      if (wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, status, kCombineRecv, first_remote_peer)) {
         const char* slots = ctx.combine_slots + static_cast<size_t>(t) * K * s.combine_stride;
         for (unsigned m = live_mask; m; m &= m - 1) {  // slots in order 0..K-1, like the reference
           const int k = __ffs(m) - 1;
@@ -80,17 +81,16 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
     }
   }
 
-  // Every block has read its tokens' counters: the last one resets them for the next round trip (peers add to
-  // them again only after our next dispatch_send, which the stream runs after this kernel).
-  if (last_block_done(ctx.blocks_done)) {
-    for (int t = threadIdx.x; t < s.max_tokens; t += blockDim.x) ctx.combine_arrived[t] = 0;
-    if (threadIdx.x == 0) *ctx.blocks_done = 0;
-  }
-
   // The global barrier (block 0, one thread per peer).
   if (blockIdx.x == 0 && threadIdx.x < s.world && threadIdx.x != s.rank) {
-    if (wait_at_least(ctx.sync_flags + threadIdx.x, 1, s, a.status, kCombineRecv, threadIdx.x))
+    if (wait_at_least(ctx.sync_flags + threadIdx.x, 1, s, status, kCombineRecv, threadIdx.x))
       ctx.sync_flags[threadIdx.x] = 0;
+  }
+
+  // Every block has read its tokens' counters: the last one resets them for the next round trip (peers add to
+  // them again only after our next dispatch_send, which the stream runs after this kernel).
+  if (finish_phase(ctx, kCombineRecv, a.status)) {
+    for (int t = threadIdx.x; t < s.max_tokens; t += blockDim.x) ctx.combine_arrived[t] = 0;
   }
 }
 
@@ -114,8 +114,6 @@ void* kernel_for(int in_dtype, int out_dtype) {
 }  // namespace
 
 cudaError_t launch_combine_recv(const Context& ctx, const CombineRecvArgs& a, cudaStream_t stream) {
-  cudaError_t err = cudaMemsetAsync(a.status, 0, kStatusWords * sizeof(int32_t), stream);
-  if (err != cudaSuccess) return err;
   const size_t items = static_cast<size_t>(ctx.s.max_tokens) * ((ctx.s.hidden + kChunk - 1) / kChunk);
   Context c = ctx;
   CombineRecvArgs args = a;

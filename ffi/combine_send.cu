@@ -33,23 +33,31 @@ __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
     if (origin < 0) continue;
     const int group = origin / slots_per_group, slot = origin % slots_per_group;
     const int token = slot / s.experts_per_token;
-    // Stage into symmetric memory: a put's source must be symmetric on transports other than NVLink.
-    char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
-    warp_copy(staged, static_cast<const char*>(a.expert_y) + static_cast<size_t>(p) * row_bytes, row_bytes, lane);
-    __syncwarp();
-    for (int j = 0; j < s.dp_size; ++j) {
-      nvshmemx_putmem_signal_nbi_warp(ctx.combine_slots + static_cast<size_t>(slot) * s.combine_stride, staged,
-                                      row_bytes, ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD,
-                                      group * s.dp_size + j);
+    const char* row = static_cast<const char*>(a.expert_y) + static_cast<size_t>(p) * row_bytes;
+    char* dst = ctx.combine_slots + static_cast<size_t>(slot) * s.combine_stride;
+    if (ctx.p2p) {  // NVLink: store the row straight into each replica's slot, then signal
+      for (int j = 0; j < s.dp_size; ++j)
+        warp_copy(nvshmem_ptr(dst, group * s.dp_size + j), row, row_bytes, lane);
+      __threadfence_system();
+      __syncwarp();
+      if (lane == 0)
+        for (int j = 0; j < s.dp_size; ++j)
+          nvshmemx_signal_op(ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD, group * s.dp_size + j);
+    } else {  // stage into symmetric memory: a put's source must be symmetric on other transports
+      char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
+      warp_copy(staged, row, row_bytes, lane);
+      __syncwarp();
+      for (int j = 0; j < s.dp_size; ++j)
+        nvshmemx_putmem_signal_nbi_warp(dst, staged, row_bytes, ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD,
+                                        group * s.dp_size + j);
     }
   }
+  finish_phase(ctx, kCombineSend, a.status);
 }
 
 }  // namespace
 
 cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cudaStream_t stream) {
-  cudaError_t err = cudaMemsetAsync(a.status, 0, kStatusWords * sizeof(int32_t), stream);
-  if (err != cudaSuccess) return err;
   const int blocks = blocks_for(ctx.s.capacity, kThreads / 32, 8 * ctx.s.sm_count);  // a warp per row
   combine_send_kernel<<<blocks, kThreads, 0, stream>>>(ctx, a);
   return cudaGetLastError();

@@ -24,6 +24,7 @@ enum ErrorCode : int32_t {
 
 // Phases, for timeout messages (status[1] when kTimeout is set).
 enum Phase : int32_t { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
+constexpr int kPhases = 4;
 
 // status[4] int32 written by every kernel: {code, phase, detail_a, detail_b}. For kTimeout detail_a is the
 // peer waited for; for id errors (token, id); for overflow (rows needed, capacity).
@@ -56,7 +57,11 @@ struct Context {
   uint64_t* combine_arrived;  // [max_tokens] rows landed per token
   uint64_t* sync_flags;       // [world] 1 = that peer finished reading its dispatch buffers
   // Local only (never addressed by peers).
-  unsigned* blocks_done;      // [1] combine_recv blocks finished; the last one resets combine_arrived
+  int32_t* status_scratch;    // [4 phases][kStatusWords] errors of the running call; the phase's last block
+                              // copies them to the call's status output and clears them (no memset per call)
+  unsigned* blocks_done;      // [4 phases] blocks of the running call that have finished
+  bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
+                              // written straight into peers' slots instead of staged and put
   size_t symmetric_bytes;
 };
 

@@ -15,7 +15,7 @@ __device__ inline uint64_t now_ns() {
   return t;
 }
 
-// Records the first error of a call into status (zeroed before the launch); later errors keep the first.
+// Records the first error of a call into status (the phase's scratch words); later errors keep the first.
 __device__ inline void report(int32_t* status, int32_t code, int32_t phase, int32_t a, int32_t b) {
   if (atomicCAS(reinterpret_cast<int*>(&status[0]), 0, code) == 0) {
     status[1] = phase;
@@ -55,9 +55,10 @@ __device__ inline bool slot_is_live(const int32_t* ids, int k, int num_experts) 
   return true;
 }
 
-// Warp-cooperative copy of `bytes` (a multiple of 16, 16-byte aligned ends) or a byte tail otherwise.
+// Warp-cooperative copy: 16-byte words when both ends are 16-byte aligned, then a byte tail.
 __device__ inline void warp_copy(void* dst, const void* src, int bytes, int lane) {
-  const int vecs = bytes / 16;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0;
+  const int vecs = aligned ? bytes / 16 : 0;
   auto* d4 = reinterpret_cast<int4*>(dst);
   auto* s4 = reinterpret_cast<const int4*>(src);
   for (int i = lane; i < vecs; i += 32) d4[i] = s4[i];
@@ -77,13 +78,31 @@ __device__ inline void warp_zero(void* dst, int bytes, int lane) {
 // True in exactly one block, the last to get here; every block's earlier writes are visible to it.
 __device__ inline bool last_block_done(unsigned* counter) {
   __shared__ bool last;
+  __threadfence();  // this thread's writes (and reads) are done before the block counts as finished
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
     last = atomicAdd(counter, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   return last;
+}
+
+// Where a phase's kernel records errors while it runs.
+__device__ inline int32_t* phase_status(const Context& ctx, Phase phase) {
+  return ctx.status_scratch + phase * kStatusWords;
+}
+
+// Called by every thread at the end of a phase's kernel: the last block to finish copies the errors recorded by
+// all blocks to the call's status output and clears the scratch for the next call. Returns true in that block.
+__device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* out) {
+  if (!last_block_done(ctx.blocks_done + phase)) return false;
+  volatile int32_t* scratch = phase_status(ctx, phase);
+  if (threadIdx.x < kStatusWords) {
+    out[threadIdx.x] = scratch[threadIdx.x];
+    scratch[threadIdx.x] = 0;
+  }
+  if (threadIdx.x == 0) ctx.blocks_done[phase] = 0;
+  return true;
 }
 
 // Blocks for `work` items at `per_block` items each, at least 1 and at most `cap`.

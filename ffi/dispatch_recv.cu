@@ -51,6 +51,7 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_temp;
   const Sizes& s = ctx.s;
+  int32_t* status = phase_status(ctx, kDispatchRecv);
   const int L = s.local_experts, W = s.world, regions = L * W;
   extern __shared__ int smem[];
   int* count = smem;                       // [L * W] rows from each (local expert, source rank)
@@ -61,7 +62,7 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
 
   // 1. Counts: every block waits for all of them (count + 1 arrives; 0 means not yet).
   for (int i = threadIdx.x; i < regions; i += blockDim.x) {
-    const bool ok = wait_at_least(ctx.dispatch_count + i, 1, s, a.status, kDispatchRecv, i % W);
+    const bool ok = wait_at_least(ctx.dispatch_count + i, 1, s, status, kDispatchRecv, i % W);
     const int c = ok ? static_cast<int>(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_count + i)) - 1 : 0;
     count[i] = min(max(c, 0), s.slots_per_region);
   }
@@ -84,7 +85,7 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
   if (blockIdx.x == 0) {
     for (int l = threadIdx.x; l < L; l += blockDim.x) a.group_sizes[l] = expert_start[l + 1] - expert_start[l];
     if (threadIdx.x == 0 && packed_rows > s.capacity)
-      report(a.status, kCapacityOverflow, kDispatchRecv, packed_rows, s.capacity);
+      report(status, kCapacityOverflow, kDispatchRecv, packed_rows, s.capacity);
   }
 
   // 2. Rows: one warp per arrived row, in flat order; wait for its region (and its replicas') to land.
@@ -100,7 +101,7 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
     if (lane == 0) {
       for (int j = 0; j < s.dp_size; ++j) {
         const int peer_region = l * W + g * s.dp_size + j;
-        landed &= wait_at_least(ctx.dispatch_arrived + peer_region, count[peer_region], s, a.status, kDispatchRecv,
+        landed &= wait_at_least(ctx.dispatch_arrived + peer_region, count[peer_region], s, status, kDispatchRecv,
                                 g * s.dp_size + j);
       }
     }
@@ -141,6 +142,7 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
       if (s.scale_cols) warp_zero(a.expert_scales + static_cast<size_t>(p) * s.scale_cols, 4 * s.scale_cols, lane);
     }
   }
+  finish_phase(ctx, kDispatchRecv, a.status);
 }
 
 }  // namespace
@@ -151,11 +153,9 @@ size_t dispatch_recv_shared_bytes(const Sizes& s) {
 }
 
 cudaError_t launch_dispatch_recv(const Context& ctx, const DispatchRecvArgs& a, cudaStream_t stream) {
-  cudaError_t err = cudaMemsetAsync(a.status, 0, kStatusWords * sizeof(int32_t), stream);
-  if (err != cudaSuccess) return err;
   const size_t shared = dispatch_recv_shared_bytes(ctx.s);
   if (shared > 48 * 1024) {
-    err = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const cudaError_t err = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(shared));
     if (err != cudaSuccess) return err;
   }

@@ -4,6 +4,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -72,7 +73,7 @@ Layout layout_of(const Sizes& s) {
       static_cast<size_t>(s.max_tokens) * s.experts_per_token * s.combine_stride,
       static_cast<size_t>(s.max_tokens) * sizeof(uint64_t),
       static_cast<size_t>(s.world) * sizeof(uint64_t),
-      16,
+      kPhases * kStatusWords * sizeof(int32_t) + kPhases * sizeof(unsigned),
   };
 }
 
@@ -108,7 +109,11 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   ctx->combine_slots = take(bytes.combine_slots);
   ctx->combine_arrived = reinterpret_cast<uint64_t*>(take(bytes.combine_words));
   ctx->sync_flags = reinterpret_cast<uint64_t*>(take(bytes.sync));
-  ctx->blocks_done = reinterpret_cast<unsigned*>(take(bytes.local));
+  ctx->status_scratch = reinterpret_cast<int32_t*>(take(bytes.local));
+  ctx->blocks_done = reinterpret_cast<unsigned*>(ctx->status_scratch + kPhases * kStatusWords);
+  ctx->p2p = true;
+  for (int pe = 0; pe < sizes.world; ++pe) ctx->p2p = ctx->p2p && nvshmem_ptr(base, pe) != nullptr;
+  if (std::getenv("JAX_MOE_COMM_STAGED")) ctx->p2p = false;  // force the staged puts (any transport)
   ctx->symmetric_bytes = bytes.total();
   nvshmem_barrier_all();  // every rank's buffers are zero before anyone may put into them
   return ctx;

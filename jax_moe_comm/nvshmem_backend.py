@@ -60,7 +60,8 @@ def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
     regions = s["local_experts"] * world
     return (s["max_tokens"] * s["token_stride"] + regions * s["slots_per_region"] * s["token_stride"]
             + 2 * regions * 8 + s["capacity"] * s["combine_stride"]
-            + s["max_tokens"] * s["experts_per_token"] * s["combine_stride"] + s["max_tokens"] * 8 + world * 8 + 16)
+            + s["max_tokens"] * s["experts_per_token"] * s["combine_stride"] + s["max_tokens"] * 8 + world * 8
+            + 4 * 4 * 4 + 4 * 4)  # per phase: status scratch and finished-block counter
 
 
 @dataclasses.dataclass(frozen=True)

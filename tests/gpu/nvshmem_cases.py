@@ -125,6 +125,16 @@ def split_halves(comm, x, ids, n, w):
     return out + (busy * 0).astype(out.dtype)
 
 
+def staged_puts(case):
+    """Runs `case` with MoEComms created under JAX_MOE_COMM_STAGED=1: rows are staged in symmetric memory and sent
+    with put-with-signal, as they are to peers that NVLink loads/stores cannot reach."""
+    os.environ["JAX_MOE_COMM_STAGED"] = "1"
+    try:
+        return case() + " (staged puts)"
+    finally:
+        del os.environ["JAX_MOE_COMM_STAGED"]
+
+
 def case_scan_layers(mesh, seed):
     """4 layers under lax.scan in one jit: each layer's output feeds the next dispatch."""
     world = mesh.shape["ep"]
@@ -273,8 +283,8 @@ def case_timeout(mesh, seed):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
-    parser.add_argument("--only", default="", help="run only the cases whose name contains this")
-    parser.add_argument("--skip", default="", help="skip the cases whose name contains this")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this (alternatives: a|b)")
+    parser.add_argument("--skip", default="", help="skip the cases whose name contains this (a|b)")
     args = parser.parse_args()
     initialize_distributed()
     jmc.initialize(symmetric_size="8G")
@@ -299,6 +309,13 @@ def main() -> int:
         ("-1 slots", lambda s: run_case(mesh, s, "", C(8, 4, 64, 16, dtype=f32, out_dtype=f32), kind="dropped")),
         ("dp_size 2", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32, dp_size=2),
                                          num_tokens="partial")),
+        # The same protocol through staged put-with-signal (the path for peers without NVLink load/store access).
+        ("staged puts: fp8+scales K8", lambda s: staged_puts(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128), check_split=True))),
+        ("staged puts: dp_size 2", lambda s: staged_puts(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32, dp_size=2), num_tokens="partial"))),
+        ("staged puts: skewed", lambda s: staged_puts(lambda: run_case(
+            mesh, s, "", C(8, 3, 64, 32, dtype=bf16), kind="skewed"))),
         ("scan over 4 layers", lambda s: case_scan_layers(mesh, s)),
         ("200 repeated calls", lambda s: case_repeat(mesh, s)),
         ("grad: custom VJP vs plain AD", lambda s: case_grad(mesh, s)),
@@ -307,7 +324,8 @@ def main() -> int:
     ]
     passed = failed = 0
     for i, (name, fn) in enumerate(cases):
-        if (args.only and args.only not in name) or (args.skip and args.skip in name):
+        if (args.only and not any(p in name for p in args.only.split("|"))) or (
+                args.skip and any(p in name for p in args.skip.split("|"))):
             continue
         t0 = time.time()
         try:
