@@ -20,6 +20,7 @@ enum ErrorCode : int32_t {
   kRepeatedExpertId = 2,
   kCapacityOverflow = 4,
   kTimeout = 8,
+  kOutOfOrder = 16,
 };
 
 // Phases, for timeout messages (status[1] when kTimeout is set).
@@ -27,7 +28,8 @@ enum Phase : int32_t { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, k
 constexpr int kPhases = 4;
 
 // status[4] int32 written by every kernel: {code, phase, detail_a, detail_b}. For kTimeout detail_a is the
-// peer waited for; for id errors (token, id); for overflow (rows needed, capacity).
+// peer waited for; for id errors (token, id); for overflow (rows needed, capacity); for kOutOfOrder (the phase
+// the MoEComm expected next, the phase that ran).
 constexpr int kStatusWords = 4;
 
 struct Sizes {
@@ -60,6 +62,7 @@ struct Context {
   int32_t* status_scratch;    // [4 phases][kStatusWords] errors of the running call; the phase's last block
                               // copies them to the call's status output and clears them (no memset per call)
   unsigned* blocks_done;      // [4 phases] blocks of the running call that have finished
+  int32_t* next_phase;        // [1] the phase this MoEComm runs next: one round trip at a time, in phase order
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put
   size_t symmetric_bytes;

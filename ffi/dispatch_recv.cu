@@ -52,6 +52,10 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
   __shared__ typename Scan::TempStorage scan_temp;
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kDispatchRecv);
+  if (!in_protocol_order(ctx, kDispatchRecv)) {
+    finish_phase(ctx, kDispatchRecv, a.status, false);
+    return;
+  }
   const int L = s.local_experts, W = s.world, regions = L * W;
   extern __shared__ int smem[];
   int* count = smem;                       // [L * W] rows from each (local expert, source rank)

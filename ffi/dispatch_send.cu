@@ -54,6 +54,10 @@ __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
   __shared__ int hits[kThreads];  // tokens of the current batch that select e, in index order
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kDispatchSend);
+  if (!in_protocol_order(ctx, kDispatchSend)) {
+    finish_phase(ctx, kDispatchSend, a.status, false);
+    return;
+  }
   const int K = s.experts_per_token, replica = s.rank % s.dp_size;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   int num_tokens;
@@ -100,6 +104,10 @@ __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
 __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kDispatchSend);
+  if (!in_protocol_order(ctx, kDispatchSend)) {
+    finish_phase(ctx, kDispatchSend, a.status, false);
+    return;
+  }
   const int lane = threadIdx.x % 32;
   const int warps_per_block = blockDim.x / 32;
   const int gwarp = blockIdx.x * warps_per_block + threadIdx.x / 32;

@@ -73,7 +73,7 @@ Layout layout_of(const Sizes& s) {
       static_cast<size_t>(s.max_tokens) * s.experts_per_token * s.combine_stride,
       static_cast<size_t>(s.max_tokens) * sizeof(uint64_t),
       static_cast<size_t>(s.world) * sizeof(uint64_t),
-      kPhases * kStatusWords * sizeof(int32_t) + kPhases * sizeof(unsigned),
+      kPhases * kStatusWords * sizeof(int32_t) + kPhases * sizeof(unsigned) + 16,
   };
 }
 
@@ -111,6 +111,7 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   ctx->sync_flags = reinterpret_cast<uint64_t*>(take(bytes.sync));
   ctx->status_scratch = reinterpret_cast<int32_t*>(take(bytes.local));
   ctx->blocks_done = reinterpret_cast<unsigned*>(ctx->status_scratch + kPhases * kStatusWords);
+  ctx->next_phase = reinterpret_cast<int32_t*>(ctx->blocks_done + kPhases);
   ctx->p2p = true;
   for (int pe = 0; pe < sizes.world; ++pe) ctx->p2p = ctx->p2p && nvshmem_ptr(base, pe) != nullptr;
   if (std::getenv("JAX_MOE_COMM_STAGED")) ctx->p2p = false;  // force the staged puts (any transport)

@@ -1,8 +1,8 @@
 """Custom VJPs of the fused dispatch and combine, built from the backend's own phases (DESIGN §3).
 
-The NVSHMEM phases are custom calls that JAX cannot differentiate; these rules give them gradients with
-``MoEComm(..., custom_vjp=True)`` (opt-in until they have run on GPUs). The reference backend uses plain JAX AD
-unless given the same flag, which is how the rules are tested against plain AD on CPU.
+The NVSHMEM phases are custom calls that JAX cannot differentiate; these rules give them gradients (the default
+there, ``MoEComm(custom_vjp=None)``). The reference backend uses plain JAX AD unless given ``custom_vjp=True``,
+which is how the rules are tested against plain AD on CPU (and against the reference on GPUs).
 
 - dispatch backward: a combine of the row cotangents with weight 1 on every live slot (row gradients summed per
   token, unweighted); each replica keeps the tokens it sent. Scales, ids and counts get no gradient.
@@ -11,8 +11,11 @@ unless given the same flag, which is how the rules are tested against plain AD o
   expert side and sent home. The weights and the per-row dot products travel by ``all_gather`` (T·K and
   capacity floats per rank: small next to the rows).
 
-A training step's backward is then one more round trip on the same MoEComm: combine's rule dispatches ``dy``,
-dispatch's rule combines the row gradients, in that order by data dependency. Limits for now: ``dp_size == 1``
+A training step's backward is then one more round trip on the same MoEComm: combine's rule dispatches ``dy``
+(tied to the forward's output by an optimization barrier, so it starts after the forward round trip), dispatch's
+rule combines the row gradients (which depend on the expert computation's backward, hence on that dispatch). One
+MoEComm carries one round trip at a time; the NVSHMEM kernels check the phase order on the device and fail with
+a message (errors.OUT_OF_ORDER) instead of mixing two round trips' rows. Limits for now: ``dp_size == 1``
 and non-fp8 payloads (the backward dispatch carries ``dy`` in the payload dtype).
 """
 
@@ -67,12 +70,17 @@ def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights:
 
 
 def _combine_fwd(comm, expert_y, handle, topk_weights):
-    return comm._combine_primal(expert_y, handle, topk_weights), (expert_y, handle, topk_weights)
+    y = comm._combine_primal(expert_y, handle, topk_weights)
+    done = y.reshape(-1)[:1]  # a value of the forward's last transfer: orders the backward's transfers after it
+    return y, (expert_y, handle, topk_weights, done)
 
 
 def _combine_bwd(comm, residuals, dy):
     _check_supported(comm)
-    expert_y, handle, topk_weights = residuals
+    expert_y, handle, topk_weights, done = residuals
+    # The backward dispatch reuses this MoEComm's buffers: it must not start before the forward round trip has
+    # ended, and dy need not depend on y (e.g. a linear loss), so tie it to the forward's output explicitly.
+    dy, _ = jax.lax.optimization_barrier((dy, done))
     T, K = comm.cfg.max_tokens, comm.cfg.experts_per_token
     # dy[t] to every row that token t filled: the forward's routing, hence the forward's layout.
     expert_dy = comm._dispatch_primal(dy.astype(comm.cfg.dtype), handle.topk_ids, None, handle.num_tokens).expert_x

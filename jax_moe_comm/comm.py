@@ -46,18 +46,22 @@ class MoEComm:
       backend: "reference" (pure JAX collectives, any platform), "nvshmem" (CUDA kernels; needs the CUDA
         extension and ``jax_moe_comm.initialize()``), or "auto" (nvshmem when available, else reference).
       custom_vjp: differentiate the fused ``dispatch``/``combine`` with the rules of ``autodiff.py`` (built from
-        the backend's own phases) instead of plain JAX AD. The NVSHMEM backend's custom calls have no other
-        gradient; the rules are checked against plain AD on CPU but not yet on GPUs, so they are opt-in for now.
+        the backend's own phases) instead of plain JAX AD. None (default): True on the NVSHMEM backend (its custom
+        calls have no other gradient), False on the reference backend (plain AD through its collectives).
       check_errors: raise routing errors, capacity overflow and timeouts at the end of each round trip (a host
         callback, which synchronizes the stream: ~0.5 ms per round trip measured on 2xH200). With False nothing
         is raised; dispatch's errors stay readable in ``handle.status`` (see errors.py) and combine's are lost.
 
-    A MoEComm's calls must be used one protocol at a time (send -> recv -> combine send -> combine recv); use
-    two instances to overlap two layers.
+    One MoEComm carries one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv, then
+    the next dispatch. Data dependencies give XLA that order within a round trip (and, with custom_vjp, between
+    the forward and backward round trips); independent round trips need a MoEComm each (e.g. one per layer, and
+    separate ones for two models in one step). On the NVSHMEM backend a phase that runs out of this order does
+    nothing and the round trip fails with an "expected <phase>" MoECommError; the reference backend has no
+    buffers to share and accepts any order.
     """
 
     def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto",
-                 custom_vjp: bool = False, check_errors: bool = True) -> None:
+                 custom_vjp: bool | None = None, check_errors: bool = True) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if axis_name not in mesh.axis_names:
@@ -71,7 +75,7 @@ class MoEComm:
         cfg.validate_world(self.world, axis_name)
         self.backend = _native.resolve_backend(backend, mesh)
         self._geo = Geometry(cfg, self.world, axis_name, check_errors=bool(check_errors))
-        self.custom_vjp = bool(custom_vjp)
+        self.custom_vjp = self.backend == "nvshmem" if custom_vjp is None else bool(custom_vjp)
         if self.backend == "nvshmem":
             self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
         else:

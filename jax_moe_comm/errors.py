@@ -19,12 +19,14 @@ BAD_EXPERT_ID = 1        # an id outside [-1, num_experts)
 REPEATED_EXPERT_ID = 2   # one token names the same expert in two top-k slots
 CAPACITY_OVERFLOW = 4    # the rows this rank receives exceed `capacity`
 TIMEOUT = 8              # a peer never arrived (NVSHMEM backend)
+OUT_OF_ORDER = 16        # a phase ran while the MoEComm expected another one (NVSHMEM backend)
 STATUS_WORDS = 4
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
 class MoECommError(RuntimeError):
-    """A dispatch/combine call failed on the device (bad routing, overflow, or a peer timing out)."""
+    """A dispatch/combine call failed on the device (bad routing, overflow, a peer timing out, or calls out of
+    protocol order)."""
 
 
 def describe(code: int, phase: int, rank: int, detail_a: int, detail_b: int) -> str:
@@ -37,6 +39,11 @@ def describe(code: int, phase: int, rank: int, detail_a: int, detail_b: int) -> 
         parts.append(f"{detail_a} rows arrived but capacity is {detail_b}; raise MoECommConfig.capacity")
     if code & TIMEOUT:
         parts.append(f"timed out waiting for rank {detail_a} (JAX_MOE_COMM_TIMEOUT_S); did every rank make the call?")
+    if code & OUT_OF_ORDER:
+        expected = PHASES[detail_a] if 0 <= detail_a < len(PHASES) else detail_a
+        parts.append(f"it ran while this MoEComm expected {expected}: a MoEComm carries one round trip at a time "
+                     "(dispatch_send, dispatch_recv, combine_send, combine_recv); use one MoEComm per round trip "
+                     "that overlaps another")
     name = PHASES[phase] if 0 <= phase < len(PHASES) else f"phase {phase}"
     return f"jax_moe_comm: {name} failed on rank {rank}: " + "; ".join(parts)
 

@@ -61,7 +61,7 @@ def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
     return (s["max_tokens"] * s["token_stride"] + regions * s["slots_per_region"] * s["token_stride"]
             + 2 * regions * 8 + s["capacity"] * s["combine_stride"]
             + s["max_tokens"] * s["experts_per_token"] * s["combine_stride"] + s["max_tokens"] * 8 + world * 8
-            + 4 * 4 * 4 + 4 * 4)  # per phase: status scratch and finished-block counter
+            + 4 * 4 * 4 + 4 * 4 + 16)  # per phase: status scratch, finished-block counter; the next phase
 
 
 @dataclasses.dataclass(frozen=True)

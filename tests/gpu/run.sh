@@ -2,9 +2,10 @@
 # Build the CUDA extension and run the GPU tests, demo and benchmark on a machine with 2 GPUs (one call).
 #   bash tests/gpu/run.sh            # logs under $OUT (or /tmp/jmc_gpu_out)
 # Optional: CASES=TEXT / CASES_SKIP=TEXT pick cases by name; SANITIZE=TEXT runs that case under compute-sanitizer;
-# BENCH="args" runs python -m jax_moe_comm.bench with those arguments; TRACE="args;args" runs
+# BENCH="args" runs python -m jax_moe_comm.bench with those arguments through the launcher (BENCH_SINGLE: in one
+# process driving both GPUs); TRACE="args;args" runs
 # benchmarks/trace_round_trip.py (GPU time per kernel) once per argument list; TESTS=0 skips bootstrap, launcher,
-# cases and demo (build + bench/trace only).
+# cases and demo (build + bench/trace only); TRAIN="args" runs the training example on both backends and compares.
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
@@ -51,15 +52,6 @@ wait "${pids[0]}"; rc0=$?; wait "${pids[1]}"; rc1=$?
 grep -h "NVSHMEM up" "$OUT"/two_nodes_*.log | tee -a "$OUT/summary.txt"
 step "two-node launch exit codes $rc0 $rc1"
 
-if [ -n "${SANITIZE:-}" ]; then
-  step "compute-sanitizer memcheck, one small case"
-  timeout 300 compute-sanitizer --tool memcheck --target-processes all --print-limit 20 --report-api-errors no \
-    python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$OUT/sanitizer.log" 2>&1
-  rc=$?
-  grep -E "ERROR SUMMARY|PASS|FAIL|passed" "$OUT/sanitizer.log" | tail -8 | tee -a "$OUT/summary.txt"
-  step "sanitizer exit code $rc"
-fi
-
 step "NVSHMEM vs reference cases"
 timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
   ${CASES_SKIP:+--skip "$CASES_SKIP"} \
@@ -75,10 +67,25 @@ grep "^\[rank 0\]   " "$OUT/demo.log" | tee -a "$OUT/summary.txt"
 step "demo exit code $rc"
 fi
 
+if [ -n "${TRAIN:-}" ]; then  # the training example on both backends, losses compared
+  step "train example: nvshmem vs reference ($TRAIN)"
+  for backend in nvshmem reference; do
+    timeout 300 python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.examples.train --backend $backend $TRAIN \
+      --log-json "$OUT/train_$backend.json" > "$OUT/train_$backend.log" 2>&1
+    echo "$backend: exit $? $(grep -h '^\[rank 0\] held-out loss' "$OUT/train_$backend.log")" | tee -a "$OUT/summary.txt"
+  done
+  python3 tests/gpu/compare_losses.py "$OUT/train_nvshmem.json" "$OUT/train_reference.json" 2>&1 | tee -a "$OUT/summary.txt"
+fi
+
 if [ -n "${BENCH:-}" ]; then
   step "bench"
   timeout 500 python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.bench $BENCH > "$OUT/bench.log" 2>&1
   tail -40 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+fi
+if [ -n "${BENCH_SINGLE:-}" ]; then  # one process driving both GPUs (the ragged baseline needs it)
+  step "bench, one process: $BENCH_SINGLE"
+  timeout 400 python3 -m jax_moe_comm.bench $BENCH_SINGLE > "$OUT/bench_single.log" 2>&1
+  tail -25 "$OUT/bench_single.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trace_round_trip.py
   IFS=';' read -ra traces <<< "$TRACE"
@@ -88,5 +95,17 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
     grep "^\[rank 0\]" "$OUT/trace.log" | grep -v -E "W[0-9]{4}|GRPC|Source Location|grpc_util|^\[rank 0\] $" | tail -100 \
       | tee -a "$OUT/summary.txt"
   done
+fi
+if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not leave GPU memory taken for later steps
+  step "compute-sanitizer memcheck: $SANITIZE"
+  timeout 300 compute-sanitizer --tool memcheck --target-processes all --print-limit 1000 \
+    python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$OUT/sanitizer.log" 2>&1
+  rc=$?
+  grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$OUT/sanitizer.log" | tee -a "$OUT/summary.txt"
+  echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
+    "$OUT/sanitizer.log"); other reports: $(grep -c '========= Program hit' "$OUT/sanitizer.log") CUDA API errors" \
+    | tee -a "$OUT/summary.txt"
+  grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$OUT/sanitizer.log" | head -12 | tee -a "$OUT/summary.txt"
+  step "sanitizer exit code $rc"
 fi
 step "done"
