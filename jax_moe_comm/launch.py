@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -154,8 +155,20 @@ def _visible_gpus() -> list[str] | None:
 
 
 def _free_port() -> int:
+    """A port the coordinator can bind on every address. Drawn below Linux's ephemeral range (32768-60999): a
+    port the kernel hands out with bind(0) can be taken again by an outgoing connection before the coordinator
+    binds it (seen as "Address already in use" right after another job)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

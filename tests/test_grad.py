@@ -161,12 +161,11 @@ def _layer(comm, x, ids, w, expert_w):
 def _composition_grads(composition: str, custom_vjp: bool):
     cfg = MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
     mesh = ep_mesh(WORLD)
-    comms = [MoEComm(cfg, mesh, backend="reference", custom_vjp=custom_vjp) for _ in range(2)]
+    comms = [MoEComm(cfg, mesh, backend="reference", custom_vjp=custom_vjp) for _ in range(LAYERS)]
     def per_shard(x, ids, w, expert_w):  # expert_w [LAYERS, L, H, H] (this rank's experts of every layer)
-        if composition == "remat":
-            layer = jax.checkpoint(functools.partial(_layer, comms[0]))
+        if composition == "remat":  # a MoEComm per checkpointed layer: the rule of MoEComm's docstring
             for i in range(LAYERS):
-                x = layer(x, ids[i], w[i], expert_w[i])
+                x = jax.checkpoint(functools.partial(_layer, comms[i]))(x, ids[i], w[i], expert_w[i])
         elif composition == "scan":
             def body(x, per_layer):
                 return _layer(comms[0], x, *per_layer), None

@@ -238,9 +238,9 @@ def case_grad(mesh, seed):
 
 
 def case_grad_compositions(mesh, seed, layers=3):
-    """The custom VJP on the kernels under jax.checkpoint, lax.scan over layers (one MoEComm reused by every
-    iteration) and two MoEComms in one step equals plain AD on the reference backend. On the kernels this also
-    checks that XLA runs each MoEComm's forward and backward round trips one at a time (else: out-of-order error)."""
+    """The custom VJP on the kernels under jax.checkpoint (a MoEComm per layer), lax.scan over layers (one MoEComm
+    reused by every iteration) and two MoEComms in one step equals plain AD on the reference backend. On the
+    kernels this also checks that XLA runs each MoEComm's round trips one at a time (else: out-of-order error)."""
     world = mesh.shape["ep"]
     E, K, H, T = 8, 2, 64, 16
     cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
@@ -260,13 +260,12 @@ def case_grad_compositions(mesh, seed, layers=3):
     for composition in ("remat", "scan", "two instances"):
         grads = {}
         for backend in ("nvshmem", "reference"):
-            comms = [jmc.MoEComm(cfg, mesh, "ep", backend=backend) for _ in range(2)]
+            comms = [jmc.MoEComm(cfg, mesh, "ep", backend=backend) for _ in range(max(2, layers))]
 
             def shard(x, ids, w, ew, comms=comms, composition=composition):
-                if composition == "remat":
-                    step = jax.checkpoint(functools.partial(layer, comms[0]))
-                    for i in range(layers):
-                        x = step(x, ids[i], w[i], ew[i])
+                if composition == "remat":  # one MoEComm per checkpointed layer (remat recomputes a layer's round
+                    for i in range(layers):  # trip in the backward pass, next to other layers' round trips)
+                        x = jax.checkpoint(functools.partial(layer, comms[i]))(x, ids[i], w[i], ew[i])
                     return x
                 if composition == "scan":
                     return jax.lax.scan(lambda x, p: (layer(comms[0], x, *p), None), x, (ids, w, ew))[0]
