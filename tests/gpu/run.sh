@@ -5,7 +5,7 @@
 # BENCH="args" runs python -m jax_moe_comm.bench with those arguments through the launcher (BENCH_SINGLE: in one
 # process driving both GPUs); TRACE="args;args" runs
 # benchmarks/trace_round_trip.py (GPU time per kernel) once per argument list; TESTS=0 skips bootstrap, launcher,
-# cases and demo (build + bench/trace only); TRAIN="args" runs the training example on both backends and compares.
+# cases and demo (build + bench/trace only), TESTS=cases keeps the cases alone; TRAIN="args" runs the training example on both backends and compares.
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
@@ -51,7 +51,9 @@ done
 wait "${pids[0]}"; rc0=$?; wait "${pids[1]}"; rc1=$?
 grep -h "NVSHMEM up" "$OUT"/two_nodes_*.log | tee -a "$OUT/summary.txt"
 step "two-node launch exit codes $rc0 $rc1"
+fi
 
+if [ "${TESTS:-1}" != 0 ]; then  # TESTS=cases: the cases alone
 step "NVSHMEM vs reference cases"
 timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
   ${CASES_SKIP:+--skip "$CASES_SKIP"} \
@@ -59,7 +61,9 @@ timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${
 rc=$?
 grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$OUT/cases.log" | tee -a "$OUT/summary.txt"
 step "cases exit code $rc"
+fi
 
+if [ "${TESTS:-1}" = 1 ]; then
 step "demo through the launcher"
 timeout 300 python3 -m jax_moe_comm.launch -n 2 -- python -m jax_moe_comm.demo > "$OUT/demo.log" 2>&1
 rc=$?
