@@ -83,6 +83,11 @@ def markdown_table(record: dict) -> str:
               f"{record.get('date', '?')}, {record.get('device', '?')} (world {record.get('world', '?')}), "
               f"jax {record.get('jax', '?')}, commit `{record.get('commit', '?')}`, command "
               f"`{record.get('command', '?')}`.")
+    if record.get("check_errors") is False:
+        header += (" MoEComm backends timed with `check_errors=False` (`--no-check`): the per-round-trip error "
+                   "callback, a host synchronisation, is left out.")
+    if record.get("note"):
+        header += f" Note: {record['note']}"
     text = [header, "", *lines]
     if errors:
         text += ["", "Errors (first per backend; `*` marks a time whose row also reports an error):", ""]
