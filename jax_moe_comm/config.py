@@ -93,9 +93,6 @@ class MoECommConfig:
                              f"with dtype {self.dtype.name}")
         if self.capacity is not None:
             set_("capacity", _positive_int("capacity", self.capacity))
-        if self.max_tokens * self.experts_per_token > _MAX_ORIGIN // self.max_tokens:
-            # Generous static bound; the exact per-world bound is checked in origin_limit().
-            raise ValueError("max_tokens * experts_per_token is too large to index rows with int32")
 
     @property
     def is_fp8(self) -> bool:
