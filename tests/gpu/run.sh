@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # Build the CUDA extension and run the GPU tests, demo and benchmark on a machine with 2 GPUs (one call).
-#   bash tests/gpu/run.sh            # logs under $OUT (or /tmp/jmc_gpu_out)
-# Optional: CASES=TEXT / CASES_SKIP=TEXT pick cases by name; SANITIZE=TEXT runs that case under compute-sanitizer;
-# BENCH="args" runs python -m jax_moe_comm.bench with those arguments through the launcher (BENCH_SINGLE: in one
-# process driving both GPUs); TRACE="args;args" runs
-# benchmarks/trace_round_trip.py (GPU time per kernel) once per argument list; TESTS=0 skips bootstrap, launcher,
-# cases and demo (build + bench/trace only), TESTS=cases keeps the cases alone; TRAIN="args" runs the training example on both backends and compares.
+#   bash tests/gpu/run.sh            # summary.txt and logs.tar.gz (every log) under $OUT (or /tmp/jmc_gpu_out)
+# Optional, all by environment variable:
+#   CASES / CASES_SKIP = "a|b"  run / skip the cases whose name contains a or b
+#   TESTS=0 | cases             skip bootstrap, launcher, cases and demo | run the cases alone (default: all)
+#   TRAIN="args"                the training example on both backends through the launcher, losses compared
+#   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
+#   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
+#   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
+#   SANITIZE="case|case"        those cases under compute-sanitizer memcheck, NVLink path then staged path
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
 export NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 JAX_MOE_COMM_TIMEOUT_S=10 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jmc_gpu_out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/jmc_gpu_logs}  # packed into $OUT/logs.tar.gz at exit (few files come back from a device call)
+mkdir -p "$OUT" "$LOGS"
+trap 'tar czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null' EXIT
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD
 step() { echo "=== $*" | tee -a "$OUT/summary.txt"; }
@@ -28,28 +33,28 @@ for tool in compute-sanitizer; do echo "$tool: $(command -v $tool || echo absent
 
 step "build"
 timeout 400 cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v python3)" \
-  -DJAX_MOE_COMM_CUDA_ARCHITECTURES="${ARCHS:-90}" > "$OUT/build.log" 2>&1 &&
-  timeout 400 cmake --build build/gpu >> "$OUT/build.log" 2>&1 &&
-  cp build/gpu/_nvshmem_ext*.so jax_moe_comm/ || { tail -30 "$OUT/build.log"; step "build FAILED"; exit 1; }
+  -DJAX_MOE_COMM_CUDA_ARCHITECTURES="${ARCHS:-90}" > "$LOGS/build.log" 2>&1 &&
+  timeout 400 cmake --build build/gpu >> "$LOGS/build.log" 2>&1 &&
+  cp build/gpu/_nvshmem_ext*.so jax_moe_comm/ || { tail -30 "$LOGS/build.log"; step "build FAILED"; exit 1; }
 python3 -c "import jax_moe_comm as j; print(j.build_info())" | tee -a "$OUT/summary.txt"
 
 if [ "${TESTS:-1}" = 1 ]; then
 step "bootstrap (nvshmem4py, else the extension's own init)"
-if ! timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py 2>&1 | tee "$OUT/bootstrap.log"; then
+if ! timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py 2>&1 | tee "$LOGS/bootstrap.log"; then
   export JAX_MOE_COMM_BOOTSTRAP=extension
-  timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py 2>&1 | tee -a "$OUT/bootstrap.log"
+  timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py 2>&1 | tee -a "$LOGS/bootstrap.log"
 fi
-grep "NVSHMEM up" "$OUT/bootstrap.log" | tee -a "$OUT/summary.txt"
+grep "NVSHMEM up" "$LOGS/bootstrap.log" | tee -a "$OUT/summary.txt"
 
 step "launcher: 2 nodes x 1 GPU on one host"
 port=$((20000 + RANDOM % 10000))
 for node in 0 1; do
   CUDA_VISIBLE_DEVICES=$node timeout 120 python3 -m jax_moe_comm.launch -n 1 --nnodes 2 --node-rank $node \
-    --coordinator 127.0.0.1:$port -- tests/gpu/bootstrap_probe.py > "$OUT/two_nodes_$node.log" 2>&1 &
+    --coordinator 127.0.0.1:$port -- tests/gpu/bootstrap_probe.py > "$LOGS/two_nodes_$node.log" 2>&1 &
   pids[$node]=$!
 done
 wait "${pids[0]}"; rc0=$?; wait "${pids[1]}"; rc1=$?
-grep -h "NVSHMEM up" "$OUT"/two_nodes_*.log | tee -a "$OUT/summary.txt"
+grep -h "NVSHMEM up" "$LOGS"/two_nodes_*.log | tee -a "$OUT/summary.txt"
 step "two-node launch exit codes $rc0 $rc1"
 fi
 
@@ -57,17 +62,17 @@ if [ "${TESTS:-1}" != 0 ]; then  # TESTS=cases: the cases alone
 step "NVSHMEM vs reference cases"
 timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
   ${CASES_SKIP:+--skip "$CASES_SKIP"} \
-  > "$OUT/cases.log" 2>&1
+  > "$LOGS/cases.log" 2>&1
 rc=$?
-grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$OUT/cases.log" | tee -a "$OUT/summary.txt"
+grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$LOGS/cases.log" | tee -a "$OUT/summary.txt"
 step "cases exit code $rc"
 fi
 
 if [ "${TESTS:-1}" = 1 ]; then
 step "demo through the launcher"
-timeout 300 python3 -m jax_moe_comm.launch -n 2 -- python -m jax_moe_comm.demo > "$OUT/demo.log" 2>&1
+timeout 300 python3 -m jax_moe_comm.launch -n 2 -- python -m jax_moe_comm.demo > "$LOGS/demo.log" 2>&1
 rc=$?
-grep "^\[rank 0\]   " "$OUT/demo.log" | tee -a "$OUT/summary.txt"
+grep "^\[rank 0\]   " "$LOGS/demo.log" | tee -a "$OUT/summary.txt"
 step "demo exit code $rc"
 fi
 
@@ -75,41 +80,47 @@ if [ -n "${TRAIN:-}" ]; then  # the training example on both backends, losses co
   step "train example: nvshmem vs reference ($TRAIN)"
   for backend in nvshmem reference; do
     timeout 300 python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.examples.train --backend $backend $TRAIN \
-      --log-json "$OUT/train_$backend.json" > "$OUT/train_$backend.log" 2>&1
-    echo "$backend: exit $? $(grep -h '^\[rank 0\] held-out loss' "$OUT/train_$backend.log")" | tee -a "$OUT/summary.txt"
+      --log-json "$LOGS/train_$backend.json" > "$LOGS/train_$backend.log" 2>&1
+    echo "$backend: exit $? $(grep -h '^\[rank 0\] held-out loss' "$LOGS/train_$backend.log")" | tee -a "$OUT/summary.txt"
   done
-  python3 tests/gpu/compare_losses.py "$OUT/train_nvshmem.json" "$OUT/train_reference.json" 2>&1 | tee -a "$OUT/summary.txt"
+  python3 tests/gpu/compare_losses.py "$LOGS/train_nvshmem.json" "$LOGS/train_reference.json" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 
 if [ -n "${BENCH:-}" ]; then
   step "bench"
-  timeout 500 python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.bench $BENCH > "$OUT/bench.log" 2>&1
-  tail -40 "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+  timeout 500 python3 -m jax_moe_comm.launch -n 2 -- -m jax_moe_comm.bench $BENCH > "$LOGS/bench.log" 2>&1
+  tail -40 "$LOGS/bench.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${BENCH_SINGLE:-}" ]; then  # one process driving both GPUs (the ragged baseline needs it)
   step "bench, one process: $BENCH_SINGLE"
-  timeout 400 python3 -m jax_moe_comm.bench $BENCH_SINGLE > "$OUT/bench_single.log" 2>&1
-  tail -25 "$OUT/bench_single.log" | tee -a "$OUT/summary.txt"
+  timeout 400 python3 -m jax_moe_comm.bench $BENCH_SINGLE > "$LOGS/bench_single.log" 2>&1
+  tail -25 "$LOGS/bench_single.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trace_round_trip.py
   IFS=';' read -ra traces <<< "$TRACE"
-  for targs in "${traces[@]}"; do
+  for i in "${!traces[@]}"; do
+    targs=${traces[$i]}
     step "trace: $targs"
-    timeout 300 python3 -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py $targs > "$OUT/trace.log" 2>&1
-    grep "^\[rank 0\]" "$OUT/trace.log" | grep -v -E "W[0-9]{4}|GRPC|Source Location|grpc_util|^\[rank 0\] $" | tail -100 \
+    timeout 300 python3 -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py $targs > "$LOGS/trace_$i.log" 2>&1
+    grep "^\[rank 0\]" "$LOGS/trace_$i.log" | grep -v -E "W[0-9]{4}|GRPC|Source Location|grpc_util|^\[rank 0\] $" | tail -100 \
       | tee -a "$OUT/summary.txt"
   done
 fi
 if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not leave GPU memory taken for later steps
-  step "compute-sanitizer memcheck: $SANITIZE"
-  timeout 300 compute-sanitizer --tool memcheck --target-processes all --print-limit 1000 \
-    python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$OUT/sanitizer.log" 2>&1
-  rc=$?
-  grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$OUT/sanitizer.log" | tee -a "$OUT/summary.txt"
-  echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
-    "$OUT/sanitizer.log"); other reports: $(grep -c '========= Program hit' "$OUT/sanitizer.log") CUDA API errors" \
-    | tee -a "$OUT/summary.txt"
-  grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$OUT/sanitizer.log" | head -12 | tee -a "$OUT/summary.txt"
-  step "sanitizer exit code $rc"
+  for staged in 0 1; do  # the NVLink store path, then the staged put path
+    step "compute-sanitizer memcheck: $SANITIZE (JAX_MOE_COMM_STAGED=$staged)"
+    log="$LOGS/sanitizer_staged$staged.log"
+    if [ $staged = 1 ]; then export JAX_MOE_COMM_STAGED=1; else unset JAX_MOE_COMM_STAGED; fi
+    timeout 300 compute-sanitizer --tool memcheck --target-processes all --print-limit 1000 \
+      python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$log" 2>&1
+    rc=$?
+    grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
+    echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
+      "$log"); CUDA API errors reported: $(grep -c '========= Program hit' "$log")" | tee -a "$OUT/summary.txt"
+    grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$log" | head -12 | tee -a "$OUT/summary.txt"
+    grep -v -E "=========|^\[rank 1\]" "$log" | tail -6 | tee -a "$OUT/summary.txt"  # how it ended
+    step "sanitizer exit code $rc"
+  done
+  unset JAX_MOE_COMM_STAGED
 fi
 step "done"
