@@ -11,12 +11,14 @@ which is how the rules are tested against plain AD on CPU (and against the refer
   expert side and sent home. The weights and the per-row dot products travel by ``all_gather`` (T·K and
   capacity floats per rank: small next to the rows).
 
-A training step's backward is then one more round trip on the same MoEComm: combine's rule dispatches ``dy``
-(tied to the forward's output by an optimization barrier, so it starts after the forward round trip), dispatch's
-rule combines the row gradients (which depend on the expert computation's backward, hence on that dispatch). One
-MoEComm carries one round trip at a time; the NVSHMEM kernels check the phase order on the device and fail with
-a message (errors.OUT_OF_ORDER) instead of mixing two round trips' rows. Limits for now: ``dp_size == 1``
-and non-fp8 payloads (the backward dispatch carries ``dy`` in the payload dtype).
+A training step's backward is then one more round trip on the same MoEComm (for an fp8 payload, on its
+``grad_dtype`` buffer set, so that ``dy`` travels unquantized; the layout is the forward's, as the routing is):
+combine's rule dispatches ``dy`` (tied to the forward's output by an optimization barrier, so it starts after the
+forward round trip), dispatch's rule combines the row gradients (which depend on the expert computation's
+backward, hence on that dispatch). One MoEComm carries one round trip at a time; the NVSHMEM kernels check the
+phase order on the device and fail with a message (errors.OUT_OF_ORDER) instead of mixing two round trips' rows.
+Limits for now: ``dp_size == 1`` (the replicas' ``dy`` would have to be summed before the dispatch and ``dw``
+kept per replica).
 """
 
 from __future__ import annotations
@@ -34,12 +36,18 @@ if TYPE_CHECKING:
     from .comm import MoEComm
 
 
-def _check_supported(comm: MoEComm) -> None:
+def _backward_comm(comm: MoEComm) -> MoEComm:
+    """The MoEComm whose buffers carry the backward round trip: the layer's own, or for an fp8 payload its
+    grad_dtype buffer set (gradients never travel in fp8)."""
     if comm.cfg.dp_size != 1:
         raise NotImplementedError("gradients through the NVSHMEM backend (custom VJP) need dp_size == 1 for now")
     if comm.cfg.is_fp8:
-        raise NotImplementedError("gradients through an fp8 dispatch are not implemented: differentiate with a "
-                                  "bf16/fp32 payload and quantize outside the MoEComm")
+        if comm._grad_comm is None:
+            raise NotImplementedError("gradients through an fp8 dispatch travel in a wider dtype: create the MoEComm "
+                                      "with grad_dtype=jnp.bfloat16 (or float16/float32), which allocates the "
+                                      "backward round trip's buffers")
+        return comm._grad_comm
+    return comm
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -53,11 +61,11 @@ def _dispatch_fwd(comm, x, topk_ids, scales, num_tokens):
 
 
 def _dispatch_bwd(comm, residuals, ct: Dispatched):
-    _check_supported(comm)
+    backward = _backward_comm(comm)
     handle = residuals
     rows = ct.expert_x.astype(comm.cfg.out_dtype)  # combine carries rows no wider than out_dtype
     live = (handle.topk_ids >= 0).astype(jnp.float32)  # combine drops dead slots and tokens >= num_tokens itself
-    dx = comm._combine_primal(rows, handle, live).astype(comm.cfg.dtype)  # x has the payload dtype
+    dx = backward._combine_primal(rows, handle, live).astype(comm.cfg.dtype)  # x's cotangent has x's dtype
     return dx, None, None, None
 
 
@@ -76,14 +84,15 @@ def _combine_fwd(comm, expert_y, handle, topk_weights):
 
 
 def _combine_bwd(comm, residuals, dy):
-    _check_supported(comm)
+    backward = _backward_comm(comm)
     expert_y, handle, topk_weights, done = residuals
     # The backward dispatch reuses this MoEComm's buffers: it must not start before the forward round trip has
     # ended, and dy need not depend on y (e.g. a linear loss), so tie it to the forward's output explicitly.
     dy, _ = jax.lax.optimization_barrier((dy, done))
     T, K = comm.cfg.max_tokens, comm.cfg.experts_per_token
     # dy[t] to every row that token t filled: the forward's routing, hence the forward's layout.
-    expert_dy = comm._dispatch_primal(dy.astype(comm.cfg.dtype), handle.topk_ids, None, handle.num_tokens).expert_x
+    expert_dy = backward._dispatch_primal(dy.astype(backward.cfg.dtype), handle.topk_ids, None,
+                                          handle.num_tokens).expert_x
     expert_dy = expert_dy.astype(jnp.float32)
     origin = handle.row_origin
     has_token = origin >= 0

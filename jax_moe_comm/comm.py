@@ -48,6 +48,10 @@ class MoEComm:
       custom_vjp: differentiate the fused ``dispatch``/``combine`` with the rules of ``autodiff.py`` (built from
         the backend's own phases) instead of plain JAX AD. None (default): True on the NVSHMEM backend (its custom
         calls have no other gradient), False on the reference backend (plain AD through its collectives).
+      grad_dtype: for float8_e4m3fn payloads only: the dtype (bfloat16, float16 or float32) in which gradients
+        travel. Differentiating an fp8 dispatch with the custom VJP needs it: the backward round trip then runs on a
+        second buffer set of that dtype (on the NVSHMEM backend: allocated here, ``symmetric_bytes`` counts it), so
+        ``dy`` reaches the experts unquantized. None (default): no fp8 gradients, no second buffer set.
       check_errors: raise routing errors, capacity overflow and timeouts at the end of each round trip (a host
         callback, which synchronizes the stream: ~0.5 ms per round trip measured on 2xH200). With False nothing
         is raised; dispatch's errors stay readable in ``handle.status`` (see errors.py) and combine's are lost.
@@ -61,7 +65,7 @@ class MoEComm:
     """
 
     def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto",
-                 custom_vjp: bool | None = None, check_errors: bool = True) -> None:
+                 custom_vjp: bool | None = None, check_errors: bool = True, grad_dtype: Any = None) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if axis_name not in mesh.axis_names:
@@ -76,16 +80,28 @@ class MoEComm:
         self.backend = _native.resolve_backend(backend, mesh)
         self._geo = Geometry(cfg, self.world, axis_name, check_errors=bool(check_errors))
         self.custom_vjp = self.backend == "nvshmem" if custom_vjp is None else bool(custom_vjp)
+        if grad_dtype is not None:
+            if not cfg.is_fp8:
+                raise ValueError(f"grad_dtype is only for float8_e4m3fn payloads; dtype is {cfg.dtype.name} (its "
+                                 "gradients travel in that dtype)")
+            if np.dtype(grad_dtype) not in COMBINE_DTYPES:
+                raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {np.dtype(grad_dtype).name}")
         if self.backend == "nvshmem":
             self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
         else:
             self._impl, self._plan = reference, self._geo
+        # The buffers of an fp8 layer's backward round trip (see autodiff.py), in grad_dtype.
+        self._grad_comm = None if grad_dtype is None else MoEComm(
+            dataclasses.replace(cfg, dtype=grad_dtype, scale_block=None, capacity=self.capacity), mesh, axis_name,
+            backend=self.backend, custom_vjp=False, check_errors=check_errors)
 
     def close(self) -> None:
         """Frees the NVSHMEM symmetric buffers (collective: every process closes its MoEComm in the same order)."""
         if self.backend == "nvshmem" and self._plan is not None:
             nvshmem_backend.destroy_plan(self._plan)
             self._plan = None
+        if self._grad_comm is not None:
+            self._grad_comm.close()
 
     # Static sizes ------------------------------------------------------------------------------------
     @property
@@ -101,7 +117,8 @@ class MoEComm:
     def symmetric_bytes(self) -> int:
         """NVSHMEM symmetric heap this config takes per GPU on the NVSHMEM backend (0 bytes are used by the
         reference backend; the figure is reported for sizing NVSHMEM_SYMMETRIC_SIZE)."""
-        return nvshmem_backend.symmetric_bytes(self.cfg, self.world)
+        grad = self._grad_comm.symmetric_bytes if self._grad_comm is not None else 0
+        return nvshmem_backend.symmetric_bytes(self.cfg, self.world) + grad
 
     def __repr__(self) -> str:
         return f"MoEComm(world={self.world}, backend={self.backend!r}, capacity={self.capacity}, cfg={self.cfg})"

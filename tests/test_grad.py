@@ -124,7 +124,7 @@ def test_gradients_match_dense_reference(case, rng, seed, routing):
 
 @pytest.mark.parametrize(("changes", "message"), [
     ({"dp_size": 2}, "dp_size == 1"),
-    ({"dtype": jnp.float8_e4m3fn, "scale_block": 16}, "fp8"),
+    ({"dtype": jnp.float8_e4m3fn, "scale_block": 16}, "grad_dtype=jnp.bfloat16"),
 ])
 def test_custom_vjp_limits_are_explicit(changes, message):
     """The custom VJP (the NVSHMEM backend's gradients) refuses what it does not support yet, by name."""
@@ -200,3 +200,59 @@ def test_custom_vjp_composes_like_plain_ad(composition, rng, seed):
         np.testing.assert_allclose(g, v, rtol=1e-5, atol=1e-5 * scale,
                                    err_msg=f"{composition}: d loss / d {name} (seed={seed})")
         assert np.abs(v).max() > 0, f"{composition}: d loss / d {name} is all zero, the test would not see a bug"
+
+
+# fp8 forward, wider gradients: the backward round trip of an fp8 layer runs on a grad_dtype buffer set.
+FP8_BLOCK = 8
+
+
+def _quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x float32 [N, H] -> (float8_e4m3fn [N, H], float32 scales [N, H // FP8_BLOCK]), per-block amax scaling."""
+    blocks = x.reshape(x.shape[0], -1, FP8_BLOCK)
+    scales = np.maximum(np.abs(blocks).max(-1), 1e-6) / 448.0
+    q = (blocks / scales[..., None]).reshape(x.shape)
+    return np.asarray(jnp.asarray(q).astype(jnp.float8_e4m3fn)), scales.astype(np.float32)
+
+
+@pytest.mark.parametrize(("grad_dtype", "rtol"), [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)],
+                         ids=["float32", "bfloat16"])
+def test_fp8_dispatch_differentiates_with_wider_gradients(grad_dtype, rtol, rng, seed):
+    """d loss / d (topk_weights, expert weights) through an fp8 dispatch equal the dense gradients of the
+    dequantized tokens, to grad_dtype's precision: dy reaches the experts in grad_dtype, not fp8."""
+    world, num_experts, k = 4, 8, 2
+    cfg = MoECommConfig(num_experts, k, H, T, dtype=jnp.float8_e4m3fn, scale_block=FP8_BLOCK,
+                        out_dtype=jnp.float32)
+    comm = MoEComm(cfg, ep_mesh(world), backend="reference", custom_vjp=True, grad_dtype=grad_dtype)
+    x8, scales = _quantize(rng.standard_normal((world * T, H)).astype(np.float32))
+    ids = np.argsort(rng.random((world * T, num_experts)), axis=1)[:, :k].astype(np.int32)
+    ids[::3, 1] = -1
+    w = rng.random((world * T, k)).astype(np.float32)
+    expert_w = (rng.standard_normal((num_experts, H, H)) / np.sqrt(H)).astype(np.float32)
+
+    def per_shard(x8, scales, ids, w, ew):
+        d = comm.dispatch(x8, ids, scales)
+        rows = d.expert_x.astype(jnp.float32) * jnp.repeat(d.expert_scales, FP8_BLOCK, axis=1)
+        return comm.combine(jnp.tanh(jax.lax.ragged_dot(rows, ew, d.group_sizes)), d.handle, w)
+
+    mapped = jax.shard_map(per_shard, mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep"))
+    got = jax.jit(jax.grad(lambda w, ew: jnp.sum(mapped(x8, scales, ids, w, ew) ** 2), argnums=(0, 1)))(w, expert_w)
+
+    def dense(w, ew):
+        x = jnp.asarray(x8).astype(jnp.float32) * jnp.repeat(scales, FP8_BLOCK, axis=1)
+        per_slot = jnp.tanh(jnp.einsum("th,tkhj->tkj", x, ew[jnp.clip(ids, 0)], precision=jax.lax.Precision.HIGHEST))
+        return jnp.sum(jnp.sum(jnp.where(ids >= 0, w, 0.0)[:, :, None] * per_slot, axis=1) ** 2)
+
+    want = jax.jit(jax.grad(dense, argnums=(0, 1)))(w, expert_w)
+    for name, g, v in zip(("topk_weights", "expert weights"), got, want, strict=True):
+        scale = float(np.max(np.abs(v)))
+        assert scale > 0
+        np.testing.assert_allclose(g, v, rtol=rtol, atol=rtol * scale, err_msg=f"d loss / d {name} (seed={seed})")
+
+
+def test_grad_dtype_is_for_fp8_payloads_only():
+    cfg = MoECommConfig(8, 2, H, T, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="grad_dtype is only for float8_e4m3fn payloads"):
+        MoEComm(cfg, ep_mesh(4), backend="reference", grad_dtype=jnp.float32)
+    fp8 = MoECommConfig(8, 2, H, T, dtype=jnp.float8_e4m3fn, scale_block=FP8_BLOCK)
+    with pytest.raises(ValueError, match="grad_dtype must be bfloat16, float16 or float32"):
+        MoEComm(fp8, ep_mesh(4), backend="reference", grad_dtype=jnp.int32)
