@@ -2,6 +2,7 @@
 GPU activity per kernel name and the device timeline of one chain call (rank 0).
 
     python -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py --tokens 128 [--check] [--chain 4]
+        [--env JAX_MOE_COMM_COMMAND_BUFFERS=1]
 
 Needs CUPTI (shipped with jax's CUDA plugin); without it the trace holds host events only and this says so.
 """
@@ -13,6 +14,7 @@ import collections
 import glob
 import gzip
 import json
+import os
 import sys
 import tempfile
 
@@ -51,7 +53,12 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--chain", type=int, default=4)
     p.add_argument("--check", action="store_true", help="keep the per-round-trip error callback")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set before the MoEComm is built, e.g. JAX_MOE_COMM_COMMAND_BUFFERS=1 (repeatable)")
     args = p.parse_args()
+    for item in args.env:
+        name, _, value = item.partition("=")
+        os.environ[name] = value
     initialize_distributed()
     mesh = Mesh(np.array(jax.devices()), (bench.AXIS,))
     cfg = bench.CONFIGS[args.config]
@@ -77,7 +84,7 @@ def main() -> int:
     if jax.process_index() != 0:
         return 0
     gpu = device_events(events)
-    print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain} check={args.check}: "
+    print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain} check={args.check} env={args.env}: "
           f"{len(events)} trace events, {len(gpu)} on GPU tracks")
     if not gpu:
         names = collections.Counter(e.get("name", "") for e in events if e.get("ph") == "X")

@@ -26,10 +26,18 @@ _registered = False
 
 
 def _register_targets() -> None:
+    """Registers the four handlers with XLA (once per process). With JAX_MOE_COMM_COMMAND_BUFFERS=1 (read here,
+    at the first NVSHMEM MoEComm) they are declared command-buffer compatible, so XLA may capture them into CUDA
+    graphs with the surrounding work: an experiment (benchmarks/NOTES.md), off by default until measured."""
     global _registered
     if not _registered:
+        extra = {}
+        if os.environ.get("JAX_MOE_COMM_COMMAND_BUFFERS") == "1":
+            from jax._src.lib import xla_client
+
+            extra["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
         for name, capsule in _native.ext.handlers().items():
-            jax.ffi.register_ffi_target(f"jmc_{name}", capsule, platform="CUDA")
+            jax.ffi.register_ffi_target(f"jmc_{name}", capsule, platform="CUDA", **extra)
         _registered = True
 
 
