@@ -17,8 +17,9 @@ combine's rule dispatches ``dy`` (tied to the forward's output by an optimizatio
 forward round trip), dispatch's rule combines the row gradients (which depend on the expert computation's
 backward, hence on that dispatch). One MoEComm carries one round trip at a time; the NVSHMEM kernels check the
 phase order on the device and fail with a message (errors.OUT_OF_ORDER) instead of mixing two round trips' rows.
-Limits for now: ``dp_size == 1`` (the replicas' ``dy`` would have to be summed before the dispatch and ``dw``
-kept per replica).
+With ``dp_size > 1`` the replicas' ``dy`` are summed before the dispatch (an
+``all_gather``), each replica keeps ``dx`` of the tokens it sent, and the group's ``dw`` is shared out equally over
+its replicas (their sum is exact; so is any gradient of the replicas' identical weights).
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ if TYPE_CHECKING:
 def _backward_comm(comm: MoEComm) -> MoEComm:
     """The MoEComm whose buffers carry the backward round trip: the layer's own, or for an fp8 payload its
     grad_dtype buffer set (gradients never travel in fp8)."""
-    if comm.cfg.dp_size != 1:
-        raise NotImplementedError("gradients through the NVSHMEM backend (custom VJP) need dp_size == 1 for now")
     if comm.cfg.is_fp8:
         if comm._grad_comm is None:
             raise NotImplementedError("gradients through an fp8 dispatch travel in a wider dtype: create the MoEComm "
@@ -66,6 +65,10 @@ def _dispatch_bwd(comm, residuals, ct: Dispatched):
     rows = ct.expert_x.astype(comm.cfg.out_dtype)  # combine carries rows no wider than out_dtype
     live = (handle.topk_ids >= 0).astype(jnp.float32)  # combine drops dead slots and tokens >= num_tokens itself
     dx = backward._combine_primal(rows, handle, live).astype(comm.cfg.dtype)  # x's cotangent has x's dtype
+    dp = comm.cfg.dp_size
+    if dp > 1:  # every replica received the group's dx; each replica's x only sent the tokens it owns
+        own = jnp.arange(comm.cfg.max_tokens) % dp == jax.lax.axis_index(comm.axis_name) % dp
+        dx = jnp.where(own[:, None], dx, jnp.zeros_like(dx))
     return dx, None, None, None
 
 
@@ -89,25 +92,33 @@ def _combine_bwd(comm, residuals, dy):
     # The backward dispatch reuses this MoEComm's buffers: it must not start before the forward round trip has
     # ended, and dy need not depend on y (e.g. a linear loss), so tie it to the forward's output explicitly.
     dy, _ = jax.lax.optimization_barrier((dy, done))
-    T, K = comm.cfg.max_tokens, comm.cfg.experts_per_token
+    T, K, dp = comm.cfg.max_tokens, comm.cfg.experts_per_token, comm.cfg.dp_size
+    rank = jax.lax.axis_index(comm.axis_name)
+    if dp > 1:  # every replica of a DP group combined the same rows: their dy add up (one all_gather, T·H a rank)
+        all_dy = jax.lax.all_gather(dy.astype(jnp.float32), comm.axis_name)  # [world, T, H]
+        dy = all_dy.reshape(comm.world // dp, dp, T, -1).sum(axis=1)[rank // dp].astype(dy.dtype)
     # dy[t] to every row that token t filled: the forward's routing, hence the forward's layout.
     expert_dy = backward._dispatch_primal(dy.astype(backward.cfg.dtype), handle.topk_ids, None,
                                           handle.num_tokens).expert_x
     expert_dy = expert_dy.astype(jnp.float32)
     origin = handle.row_origin
     has_token = origin >= 0
-    src, slot = jnp.where(has_token, origin // (T * K), 0), jnp.where(has_token, origin % (T * K), 0)
+    group, slot = jnp.where(has_token, origin // (T * K), 0), jnp.where(has_token, origin % (T * K), 0)
 
     all_weights = jax.lax.all_gather(topk_weights.reshape(-1), comm.axis_name)  # [world, T*K]
-    row_weight = jnp.where(has_token, all_weights[src, slot], 0.0)
+    row_weight = jnp.where(has_token, all_weights[group * dp, slot], 0.0)  # any replica's: they are the same
     d_expert_y = (row_weight[:, None] * expert_dy).astype(expert_y.dtype)
 
     row_dot = jnp.where(has_token, jnp.sum(expert_dy * expert_y.astype(jnp.float32), axis=-1), 0.0)  # [capacity]
     all_dots = jax.lax.all_gather(row_dot, comm.axis_name).reshape(-1)
     all_origin = jax.lax.all_gather(origin, comm.axis_name).reshape(-1)
-    mine = (all_origin >= 0) & (all_origin // (T * K) == jax.lax.axis_index(comm.axis_name))
+    mine = (all_origin >= 0) & (all_origin // (T * K) == rank // dp)
     index = jnp.where(mine, all_origin % (T * K), T * K)  # others dropped
     d_weights = jnp.zeros((T * K,), jnp.float32).at[index].add(all_dots, mode="drop").reshape(T, K)
+    # With DP replicas the dots hold the group's dy: the sum of the replicas' weight gradients, shared out equally
+    # (exact for anything computed from the replicas' identical weights; each replica's own share would need its
+    # own dy dispatched).
+    d_weights = d_weights / dp
     return d_expert_y, None, d_weights.astype(topk_weights.dtype)
 
 

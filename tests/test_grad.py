@@ -51,6 +51,9 @@ GRAD_CASES = [
     GradCase(4, 1, 8, 2, custom_vjp=True),
     GradCase(4, 1, 8, 3, align=4, custom_vjp=True),
     GradCase(8, 1, 8, 2, custom_vjp=True),  # one local expert per rank
+    GradCase(4, 2, 8, 3, align=4, custom_vjp=True),
+    GradCase(4, 2, 8, 3, align=4, replicas="first", custom_vjp=True),
+    GradCase(8, 4, 8, 2, custom_vjp=True),
 ]
 
 
@@ -123,7 +126,6 @@ def test_gradients_match_dense_reference(case, rng, seed, routing):
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"dp_size": 2}, "dp_size == 1"),
     ({"dtype": jnp.float8_e4m3fn, "scale_block": 16}, "grad_dtype=jnp.bfloat16"),
 ])
 def test_custom_vjp_limits_are_explicit(changes, message):

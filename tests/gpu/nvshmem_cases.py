@@ -205,16 +205,18 @@ def case_repeat(mesh, seed, calls=200):
     return f"{calls} calls, max abs diff {worst:.1e}"
 
 
-def case_grad(mesh, seed):
+def case_grad(mesh, seed, dp_size=1):
     """jax.grad through dispatch -> expert -> combine: the NVSHMEM backend's custom VJP equals plain AD on the
-    reference backend (x, topk_weights and expert weights)."""
+    reference backend (x, topk_weights and expert weights). With dp_size > 1 the replicas of a group hold the same
+    tokens and the loss reads every replica alike, so each replica's plain-AD gradients are the custom VJP's."""
     world = mesh.shape["ep"]
-    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32, dp_size=dp_size)
     rng = np.random.default_rng(seed)
     L = 8 // world
-    x = to_global(mesh, rng.standard_normal((world * 16, 64)).astype(np.float32))
-    ids = to_global(mesh, np.argsort(rng.random((world * 16, 8)), 1)[:, :2].astype(np.int32))
-    w = to_global(mesh, rng.random((world * 16, 2)).astype(np.float32))
+    host = (rng.standard_normal((world * 16, 64)).astype(np.float32),
+            np.argsort(rng.random((world * 16, 8)), 1)[:, :2].astype(np.int32),
+            rng.random((world * 16, 2)).astype(np.float32))
+    x, ids, w = (to_global(mesh, replicate_groups(a, world, dp_size, 16)) for a in host)
     expert_w = to_global(mesh, (rng.standard_normal((8, 64, 64)) / 8).astype(np.float32))
     grads = {}
     for backend in ("nvshmem", "reference"):
@@ -447,6 +449,7 @@ def main() -> int:
         ("scan over 4 layers", lambda s: case_scan_layers(mesh, s)),
         ("200 repeated calls", lambda s: case_repeat(mesh, s)),
         ("grad: custom VJP vs plain AD", lambda s: case_grad(mesh, s)),
+        ("grad: dp_size 2", lambda s: case_grad(mesh, s, dp_size=2)),
         ("grad: remat, scan, two instances", lambda s: case_grad_compositions(mesh, s)),
         ("grad: fp8 dispatch, bf16 gradients", lambda s: case_grad_fp8(mesh, s)),
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
