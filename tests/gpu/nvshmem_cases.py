@@ -327,6 +327,20 @@ def case_grad_compositions(mesh, seed, layers=3):
     return "grads rel err " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
 
 
+def raises_promptly(call, text: str, what: str, limit_s: float = 5.0) -> str:
+    """Runs call() to completion: it must raise an error containing `text` (a JaxRuntimeError carrying
+    MoECommError's message) within `limit_s`, i.e. without any rank waiting for a timeout."""
+    start = time.time()
+    try:
+        call().block_until_ready()
+    except Exception as exc:  # noqa: BLE001 (checked below)
+        assert text in str(exc), str(exc)[:500]
+        took = time.time() - start
+        assert took < limit_s, f"the error took {took:.1f}s: a rank waited for a timeout"
+        return f"raised in {took:.1f}s: " + str(exc).split("jax_moe_comm:")[-1].split("\n")[0][:110]
+    raise AssertionError(f"no error raised for {what}")
+
+
 def case_out_of_order(mesh, seed):
     """Two round trips interleaved on one MoEComm (both dispatches before either combine): the kernels refuse the
     phases that run out of order and the call fails with the expected-phase message, quickly, on every rank."""
@@ -343,17 +357,10 @@ def case_out_of_order(mesh, seed):
         return (jmc.combine(comm, first.expert_x, first.handle, w)
                 + jmc.combine(comm, second.expert_x, second.handle, w))
 
-    start = time.time()
     try:
-        f(x, ids, w).block_until_ready()
-    except Exception as exc:  # JaxRuntimeError carrying MoECommError's text
-        assert "while this MoEComm expected" in str(exc), str(exc)[:500]
-        took = time.time() - start
-        assert took < 5, f"the error took {took:.1f}s: a rank waited for a timeout"
-        return f"raised in {took:.1f}s: " + str(exc).split("jax_moe_comm:")[-1].split("\n")[0][:110]
+        return raises_promptly(lambda: f(x, ids, w), "while this MoEComm expected", "interleaved round trips")
     finally:
         comm.close()
-    raise AssertionError("no error raised for interleaved round trips")
 
 
 def case_bad_ids(mesh, seed):
@@ -371,17 +378,11 @@ def case_bad_ids(mesh, seed):
         d = jmc.dispatch(comm, x, i)
         return jmc.combine(comm, d.expert_x, d.handle, w)
 
-    start = time.time()
     try:
-        f(x, to_global(mesh, ids), w).block_until_ready()
-    except Exception as exc:  # JaxRuntimeError carrying MoECommError's text
-        assert "expert id 99 of token 3 is outside [-1, num_experts)" in str(exc), str(exc)[:500]
-        took = time.time() - start
-        assert took < 5, f"the error took {took:.1f}s: a peer waited for a timeout"
-        return f"raised in {took:.1f}s: " + str(exc).split("jax_moe_comm:")[-1].split("\n")[0][:90]
+        return raises_promptly(lambda: f(x, to_global(mesh, ids), w),
+                               "expert id 99 of token 3 is outside [-1, num_experts)", "expert id 99")
     finally:
         comm.close()
-    raise AssertionError("no error raised for expert id 99")
 
 
 def case_timeout(mesh, seed):
