@@ -326,3 +326,22 @@ def test_global_view_num_tokens_must_be_one_count_per_rank(comm):
     with pytest.raises(ValueError, match=r"num_tokens"):
         jax_moe_comm.dispatch(comm, jnp.zeros((WORLD * T, H), jnp.float32), ids,
                               num_tokens=jnp.zeros((WORLD, 2), jnp.int32))
+
+
+# The symmetric-heap size is computed twice: in Python (sizing the heap before NVSHMEM starts, also where the
+# extension is absent) and in ffi/runtime.cu (the allocation). They must agree.
+@pytest.mark.parametrize("fields", [
+    dict(num_experts=8, experts_per_token=2, hidden=64, max_tokens=16),
+    dict(num_experts=12, experts_per_token=3, hidden=100, max_tokens=5, dp_size=3, align=4, out_dtype=jnp.float32),
+    dict(num_experts=256, experts_per_token=8, hidden=7168, max_tokens=128, dtype=jnp.float8_e4m3fn,
+         scale_block=128),
+], ids=["small", "dp3-align4", "r1"])
+def test_python_and_cuda_symmetric_sizes_agree(fields):
+    from jax_moe_comm import _native, nvshmem_backend
+
+    if _native.ext is None:
+        pytest.skip("the CUDA extension is not built here")
+    cfg = MoECommConfig(**fields)
+    for world in (3, 6) if cfg.dp_size == 3 else (2, 4):
+        sizes = nvshmem_backend.kernel_sizes(cfg, world, rank=0)
+        assert nvshmem_backend.symmetric_bytes(cfg, world) == _native.ext.symmetric_bytes(sizes), (fields, world)
