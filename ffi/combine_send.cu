@@ -1,6 +1,6 @@
-// combine_send: reset the dispatch counters and tell every peer we are done reading our dispatch buffers (sync
-// flag), then send each valid
-// expert output row home, to every replica of its source DP group, into the slot (token, top-k slot).
+// combine_send: reset the dispatch ready words and tell every peer we are done reading our dispatch buffers (sync
+// flag), then send each valid expert output row home, to every replica of its source DP group, into the slot
+// (token, top-k slot).
 #include "device_common.cuh"
 
 namespace jmc {
@@ -13,13 +13,9 @@ __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
     return;
   }
   if (blockIdx.x == 0) {
-    // dispatch_recv (finished: same stream) has read every dispatch counter: reset them before the sync flag
-    // lets a peer start its next dispatch_send into them.
-    const int regions = s.local_experts * s.world;
-    for (int i = threadIdx.x; i < regions; i += blockDim.x) {
-      ctx.dispatch_count[i] = 0;
-      ctx.dispatch_arrived[i] = 0;
-    }
+    // dispatch_recv (finished: same stream) has read every ready word: reset them before the sync flag lets a
+    // peer start its next dispatch_send.
+    for (int src = threadIdx.x; src < s.world; src += blockDim.x) ctx.dispatch_ready[src] = 0;
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x < s.world && threadIdx.x != s.rank)

@@ -39,7 +39,7 @@ struct Sizes {
   int payload_bytes;   // hidden * sizeof(dtype)
   int scale_cols;      // hidden / scale_block for fp8, else 0
   int token_stride;    // bytes of one staged token: payload | fp32 scales | int32 token | int32 ids[K], 16-aligned
-  int slots_per_region;// ceil(max_tokens / dp_size): most tokens one replica sends to one expert
+  int slots_per_source;// ceil(max_tokens / dp_size): the tokens one replica sends (token i of it in slot i)
   int combine_stride;  // bytes of one combine row (hidden * 4, the widest expert_y dtype), 16-aligned
   int64_t timeout_ns;
   int sm_count;  // each launch sizes its grid from its work, capped by this
@@ -50,10 +50,11 @@ constexpr int kThreads = 256;  // threads per block of every kernel (8 warps)
 struct Context {
   Sizes s;
   // Symmetric (same offsets on every rank).
-  char* dispatch_staging;     // [max_tokens] token strides, this rank's packed tokens
-  char* dispatch_slots;       // [L][world][slots_per_region] token strides, rows arriving here
-  uint64_t* dispatch_count;   // [L][world] count + 1 (0 = not yet), SET by the source
-  uint64_t* dispatch_arrived; // [L][world] rows landed, ADD 1 per put-with-signal
+  char* dispatch_staging;     // [max_tokens] token strides, this rank's packed tokens (staged path)
+  char* dispatch_slots;       // [world][slots_per_source] token strides: a source's token i, once per rank
+  int32_t* dispatch_ids;      // [world][slots_per_source][K] every token's ids (which slots hold a row, and for
+                              // which local experts)
+  uint64_t* dispatch_ready;   // [world] source's token count + 1, SET once all its rows and ids have landed
   char* combine_staging;      // [capacity] combine rows, this rank's expert outputs
   char* combine_slots;        // [max_tokens][K] combine rows arriving here
   uint64_t* combine_arrived;  // [max_tokens] rows landed per token

@@ -1,6 +1,8 @@
-// dispatch_recv: wait for every source's count, then for its rows; pack them by (local expert, source DP group,
-// token) into expert_x at offsets every block derives from the counts; write group_sizes and row_origin. The
-// counters are reset by combine_send, which the stream runs after every block here has read them.
+// dispatch_recv: wait for every source's ready word, then fan the arrived tokens out to this rank's experts:
+// expert_x is packed by (local expert, source DP group, token), each expert padded to `align`; write group_sizes
+// and row_origin. Every block derives the whole layout from the ids rows (a histogram and two block scans), then
+// fills the (local expert, group) runs it owns. The ready words are reset by combine_send, which the stream runs
+// after every block here has read them.
 #include <cub/block/block_scan.cuh>
 
 #include "device_common.cuh"
@@ -18,22 +20,7 @@ __device__ inline int find_run(const int* starts, int n, int value) {
   return lo;
 }
 
-__device__ inline int token_of(const Context& ctx, size_t region, int n) {
-  const char* row = ctx.dispatch_slots + (region * ctx.s.slots_per_region + n) * ctx.s.token_stride;
-  return reinterpret_cast<const int32_t*>(row + header_offset(ctx.s))[0];
-}
-
-// Rows of `region` whose token index is < t (the region's tokens ascend).
-__device__ inline int tokens_before(const Context& ctx, size_t region, int count, int t) {
-  int lo = 0, hi = count;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (token_of(ctx, region, mid) < t) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
-
-// out[i] = sum of in[j] for j < i, for i in [0, n], with the whole block (in smem or global, out in smem).
+// out[i] = sum of in[j] for j < i, for i in [0, n], with the whole block (in and out in shared memory).
 template <typename Scan>
 __device__ void block_exclusive_sum(typename Scan::TempStorage& temp, const int* in, int* out, int n) {
   int running = 0;
@@ -47,42 +34,80 @@ __device__ void block_exclusive_sum(typename Scan::TempStorage& temp, const int*
   }
 }
 
+// Where token t of DP group g arrived: its source rank (the replica that owns t) and that source's slot.
+struct Arrival {
+  int src, slot;
+};
+__device__ inline Arrival arrival_of(const Sizes& s, int g, int t) {
+  return Arrival{g * s.dp_size + t % s.dp_size, t / s.dp_size};
+}
+
+__device__ inline const int32_t* ids_of(const Context& ctx, Arrival a) {
+  return ctx.dispatch_ids + (static_cast<size_t>(a.src) * ctx.s.slots_per_source + a.slot) * ctx.s.experts_per_token;
+}
+
+// The slot k of token `ids` that selects local expert l of this rank (live: valid, not a repeat), else -1.
+__device__ inline int slot_for_local_expert(const Sizes& s, const int32_t* ids, int l) {
+  const int e = s.rank * s.local_experts + l;
+  for (int k = 0; k < s.experts_per_token; ++k)
+    if (ids[k] == e) return slot_is_live(ids, k, s.num_experts) ? k : -1;
+  return -1;
+}
+
 __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_temp;
+  __shared__ int hit_token[kThreads], hit_slot[kThreads];
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kDispatchRecv);
   if (!in_protocol_order(ctx, kDispatchRecv)) {
     finish_phase(ctx, kDispatchRecv, a.status, false);
     return;
   }
-  const int L = s.local_experts, W = s.world, regions = L * W;
+  const int L = s.local_experts, G = s.num_dp, K = s.experts_per_token;
   extern __shared__ int smem[];
-  int* count = smem;                       // [L * W] rows from each (local expert, source rank)
-  int* region_start = count + regions;     // [L * W + 1] flat prefix of count (rows in arrival order)
-  int* expert_start = region_start + regions + 1;  // [L + 1] packed (aligned) start of each expert
-  int* expert_rows = expert_start + L + 1; // [L] unpadded rows, then padded rows, per expert
-  int* group_base = expert_rows + L;       // [L * num_dp] packed start of (expert, source group)
+  int* group_tokens = smem;                  // [G] tokens of each DP group
+  int* count = group_tokens + G;             // [L * G] rows of (local expert, group)
+  int* expert_rows = count + L * G;          // [L] padded, then unpadded, rows per expert
+  int* expert_start = expert_rows + L;       // [L + 1] packed start of each expert
+  int* group_base = expert_start + L + 1;    // [L * G] packed start of (local expert, group)
 
-  // 1. Counts: every block waits for all of them (count + 1 arrives; 0 means not yet).
-  for (int i = threadIdx.x; i < regions; i += blockDim.x) {
-    const bool ok = wait_at_least(ctx.dispatch_count + i, 1, s, status, kDispatchRecv, i % W);
-    const int c = ok ? static_cast<int>(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_count + i)) - 1 : 0;
-    count[i] = min(max(c, 0), s.slots_per_region);
+  // 1. Every source's token count (ready word = count + 1; 0 = not yet).
+  for (int g = threadIdx.x; g < G; g += blockDim.x) group_tokens[g] = 0;
+  for (int i = threadIdx.x; i < L * G; i += blockDim.x) count[i] = 0;
+  __syncthreads();
+  for (int src = threadIdx.x; src < s.world; src += blockDim.x) {
+    const bool ok = wait_at_least(ctx.dispatch_ready + src, 1, s, status, kDispatchRecv, src);
+    const int n = ok ? static_cast<int>(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src)) - 1 : 0;
+    atomicAdd(&group_tokens[src / s.dp_size], min(max(n, 0), s.slots_per_source));
   }
   __syncthreads();
-  // Regions are ordered (expert, source), so one prefix gives both the flat order and each expert's rows.
-  block_exclusive_sum<Scan>(scan_temp, count, region_start, regions);
+
+  // 2. Rows per (local expert, group): a histogram over every arrived token's ids (counts, hence deterministic).
+  for (int g = 0; g < G; ++g) {
+    for (int t = threadIdx.x; t < group_tokens[g]; t += blockDim.x) {
+      const int32_t* ids = ids_of(ctx, arrival_of(s, g, t));
+      for (int k = 0; k < K; ++k) {
+        const int e = ids[k];
+        if (e / L == s.rank && e >= 0 && slot_is_live(ids, k, s.num_experts)) atomicAdd(&count[(e % L) * G + g], 1);
+      }
+    }
+  }
+  __syncthreads();
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
-    const int rows = region_start[(l + 1) * W] - region_start[l * W];
-    expert_rows[l] = (rows + s.align - 1) / s.align * s.align;  // padded, for the prefix below
+    int rows = 0;
+    for (int g = 0; g < G; ++g) rows += count[l * G + g];
+    expert_rows[l] = (rows + s.align - 1) / s.align * s.align;
   }
   __syncthreads();
   block_exclusive_sum<Scan>(scan_temp, expert_rows, expert_start, L);
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
-    expert_rows[l] = region_start[(l + 1) * W] - region_start[l * W];
-    for (int g = 0; g < s.num_dp; ++g)
-      group_base[l * s.num_dp + g] = expert_start[l] + region_start[l * W + g * s.dp_size] - region_start[l * W];
+    int base = expert_start[l];
+    for (int g = 0; g < G; ++g) {
+      group_base[l * G + g] = base;
+      base += count[l * G + g];
+    }
+    expert_rows[l] = base - expert_start[l];
   }
   __syncthreads();
   const int packed_rows = expert_start[L];
@@ -92,53 +117,46 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
       report(status, kCapacityOverflow, kDispatchRecv, packed_rows, s.capacity);
   }
 
-  // 2. Rows: one warp per arrived row, in flat order; wait for its region (and its replicas') to land.
-  const int lane = threadIdx.x % 32;
-  const int warps_per_block = blockDim.x / 32;
-  const int gwarp = blockIdx.x * warps_per_block + threadIdx.x / 32;
-  const int nwarps = gridDim.x * warps_per_block;
-  for (int r = gwarp; r < region_start[regions]; r += nwarps) {
-    const int region = find_run(region_start, regions, r);
-    const int n = r - region_start[region];
-    const int l = region / W, src = region % W, g = src / s.dp_size;
-    bool landed = true;
-    if (lane == 0) {
-      for (int j = 0; j < s.dp_size; ++j) {
-        const int peer_region = l * W + g * s.dp_size + j;
-        landed &= wait_at_least(ctx.dispatch_arrived + peer_region, count[peer_region], s, status, kDispatchRecv,
-                                g * s.dp_size + j);
+  // 3. A block per (local expert, group) run: its tokens in index order (a block scan per batch), copied by warps.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  for (int run = blockIdx.x; run < L * G; run += gridDim.x) {
+    const int l = run / G, g = run % G;
+    int n = 0;
+    for (int base = 0; base < group_tokens[g]; base += blockDim.x) {
+      const int t = base + threadIdx.x;
+      const int k = t < group_tokens[g] ? slot_for_local_expert(s, ids_of(ctx, arrival_of(s, g, t)), l) : -1;
+      int pos, total;
+      Scan(scan_temp).ExclusiveSum(k >= 0 ? 1 : 0, pos, total);
+      if (k >= 0) {
+        hit_token[pos] = t;
+        hit_slot[pos] = k;
       }
-    }
-    landed = __shfl_sync(0xffffffffu, landed, 0);
-    if (!landed) continue;
-    const char* row = ctx.dispatch_slots + (static_cast<size_t>(region) * s.slots_per_region + n) * s.token_stride;
-    const int32_t* header = reinterpret_cast<const int32_t*>(row + header_offset(s));
-    const int t = header[0];
-    int pos = group_base[l * s.num_dp + g] + n;
-    for (int j = 0; j < s.dp_size; ++j) {  // merge replicas' ascending token lists
-      const int other = l * W + g * s.dp_size + j;
-      if (other != region) pos += tokens_before(ctx, other, count[other], t);
-    }
-    if (pos >= s.capacity) continue;  // overflow: reported above, never written
-    warp_copy(static_cast<char*>(a.expert_x) + static_cast<size_t>(pos) * s.payload_bytes, row, s.payload_bytes, lane);
-    if (s.scale_cols)
-      warp_copy(a.expert_scales + static_cast<size_t>(pos) * s.scale_cols, row + scales_offset(s), 4 * s.scale_cols,
-                lane);
-    if (lane == 0) {
-      const int e = s.rank * L + l;
-      int k = 0;
-      while (k < s.experts_per_token - 1 && header[1 + k] != e) ++k;
-      a.row_origin[pos] = (g * s.max_tokens + t) * s.experts_per_token + k;
+      __syncthreads();
+      for (int h = warp; h < total; h += warps) {
+        const int t_h = hit_token[h], p = group_base[l * G + g] + n + h;
+        if (p >= s.capacity) continue;  // overflow: reported above, never written
+        const Arrival from = arrival_of(s, g, t_h);
+        const char* row = ctx.dispatch_slots +
+                          (static_cast<size_t>(from.src) * s.slots_per_source + from.slot) * s.token_stride;
+        warp_copy(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, row, s.payload_bytes,
+                  lane);
+        if (s.scale_cols)
+          warp_copy(a.expert_scales + static_cast<size_t>(p) * s.scale_cols, row + scales_offset(s),
+                    4 * s.scale_cols, lane);
+        if (lane == 0) a.row_origin[p] = (g * s.max_tokens + t_h) * K + hit_slot[h];
+      }
+      n += total;
+      __syncthreads();  // hit lists and scan_temp are reused by the next batch
     }
   }
 
-  // 3. Rows holding no token: origin -1 (a thread per row); alignment padding inside the packed region is zeroed.
-  // The counters are reset by combine_send, once every block of this kernel has read them.
+  // 4. Rows holding no token: origin -1 (a thread per row); alignment padding inside the packed region is zeroed.
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < s.capacity; p += gridDim.x * blockDim.x) {
     const int l = p < packed_rows ? find_run(expert_start, L, p) : L;
     if (l == L || p - expert_start[l] >= expert_rows[l]) a.row_origin[p] = -1;
   }
   if (s.align > 1) {
+    const int gwarp = blockIdx.x * warps + warp, nwarps = gridDim.x * warps;
     for (int p = gwarp; p < packed_rows; p += nwarps) {
       const int l = find_run(expert_start, L, p);
       if (p - expert_start[l] < expert_rows[l]) continue;
@@ -152,19 +170,21 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
 }  // namespace
 
 size_t dispatch_recv_shared_bytes(const Sizes& s) {
-  const int regions = s.local_experts * s.world;
-  return sizeof(int) * (2 * regions + 1 + 2 * s.local_experts + 1 + s.local_experts * s.num_dp);
+  const int L = s.local_experts, G = s.num_dp;
+  return sizeof(int) * (G + 2 * L * G + 2 * L + 1);
 }
 
 cudaError_t launch_dispatch_recv(const Context& ctx, const DispatchRecvArgs& a, cudaStream_t stream) {
   const size_t shared = dispatch_recv_shared_bytes(ctx.s);
   if (shared > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(shared));
+                                                 static_cast<int>(shared));
     if (err != cudaSuccess) return err;
   }
-  // A warp per received row; blocks only wait on peers' sends, never on each other, so any grid is safe.
-  const int blocks = blocks_for(ctx.s.capacity, kThreads / 32, 4 * ctx.s.sm_count);
+  // A block per (local expert, DP group) run, at least enough blocks for the -1 / padding sweep over capacity.
+  const int runs = ctx.s.local_experts * ctx.s.num_dp;
+  const int blocks = std::max(blocks_for(runs, 1, 8 * ctx.s.sm_count),
+                              blocks_for(ctx.s.capacity, kThreads, ctx.s.sm_count));
   Context c = ctx;
   DispatchRecvArgs args = a;
   void* params[] = {&c, &args};

@@ -1,16 +1,15 @@
-// dispatch_send: write this replica's tokens into the slot region of every destination expert, then signal the
-// region's row count. Never waits on a peer.
+// dispatch_send: send each of this replica's tokens once to every rank that hosts one of its experts (per-rank
+// dedupe: the receiver fans a token out to its local experts), and every token's ids to every rank; then, once all
+// of it has landed, SET the source's ready word (token count + 1) on every rank. Never waits on a peer.
 //
-// Slot order is deterministic: expert e's rows are this replica's tokens that select e, in index order (the n-th
-// such token takes slot n), so the receiver's layout depends on the routing alone. Each row is one token stride:
-// payload | fp32 scales | int32 token index | int32 ids[K].
+// Token i of this replica (token index t = replica + i * dp_size) lands in slot i of this source's region on each
+// destination: no sender-side prefix, no packing. The ids rows are dense (every i < count), so the receiver knows
+// which slots hold a row and for which of its experts; its layout depends on the routing alone.
 //
-// Two kernels, one protocol. With every peer reachable by loads/stores (NVLink, `Context::p2p`), a block per
-// expert writes the rows straight from x into the peer's slots, then signals. Otherwise tokens are packed once into
-// symmetric staging and each row is a put-with-signal (the source of a put must be symmetric off NVLink).
+// Two kernels, one protocol. With every peer reachable by loads/stores (NVLink, `Context::p2p`), a warp per token
+// stores the row straight from x into each destination's slot. Otherwise tokens are packed once into symmetric
+// staging (the source of a put must be symmetric off NVLink) and each row is a put; nvshmem_quiet completes them.
 #include <cooperative_groups.h>
-
-#include <cub/block/block_scan.cuh>
 
 #include "device_common.cuh"
 
@@ -41,17 +40,21 @@ __device__ inline int replica_tokens(const Sizes& s, const DispatchSendArgs& a, 
   return *num_tokens > replica ? (*num_tokens - replica + s.dp_size - 1) / s.dp_size : 0;
 }
 
-__device__ inline bool selects(const int32_t* topk_ids, int t, int K, int e) {
-  const int32_t* ids = topk_ids + static_cast<size_t>(t) * K;
-  bool hit = false;
-  for (int k = 0; k < K; ++k) hit |= ids[k] == e;
-  return hit;
+// The rank that hosts this lane's live slot of token t (lane < K), else -1.
+__device__ inline int lane_dest(const Sizes& s, const int32_t* ids, int lane) {
+  return lane < s.experts_per_token && slot_is_live(ids, lane, s.num_experts) ? ids[lane] / s.local_experts : -1;
+}
+
+// Once every block is done (its stores fenced / its puts quiet): the last block SETs our ready word everywhere.
+__device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& a, int my_tokens) {
+  if (finish_phase(ctx, kDispatchSend, a.status)) {
+    __threadfence_system();
+    if (threadIdx.x < ctx.s.world)
+      nvshmemx_signal_op(ctx.dispatch_ready + ctx.s.rank, my_tokens + 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+  }
 }
 
 __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ typename Scan::TempStorage scan_temp;
-  __shared__ int hits[kThreads];  // tokens of the current batch that select e, in index order
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kDispatchSend);
   if (!in_protocol_order(ctx, kDispatchSend)) {
@@ -59,46 +62,34 @@ __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
     return;
   }
   const int K = s.experts_per_token, replica = s.rank % s.dp_size;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
   int num_tokens;
   const int my_tokens = replica_tokens(s, a, &num_tokens);
   validate_ids(s, a, num_tokens, status);
 
-  for (int e = blockIdx.x; e < s.num_experts; e += gridDim.x) {
-    const int dest = e / s.local_experts, l = e % s.local_experts;
-    const size_t region = static_cast<size_t>(l) * s.world + s.rank;
-    char* slots = static_cast<char*>(
-        nvshmem_ptr(ctx.dispatch_slots + region * s.slots_per_region * s.token_stride, dest));
-    int n = 0;
-    for (int base = 0; base < my_tokens; base += blockDim.x) {
-      const int i = base + threadIdx.x;
-      const int hit = i < my_tokens && selects(a.topk_ids, replica + i * s.dp_size, K, e);
-      int pos, total;
-      Scan(scan_temp).ExclusiveSum(hit, pos, total);
-      if (hit) hits[pos] = replica + i * s.dp_size;
-      __syncthreads();
-      for (int h = warp; h < total; h += warps) {
-        const int t = hits[h];
-        char* row = slots + static_cast<size_t>(n + h) * s.token_stride;
-        warp_copy(row, static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes, s.payload_bytes,
-                  lane);
-        if (s.scale_cols)
-          warp_copy(row + scales_offset(s), a.scales + static_cast<size_t>(t) * s.scale_cols, 4 * s.scale_cols, lane);
-        auto* header = reinterpret_cast<int32_t*>(row + header_offset(s));
-        if (lane == 0) header[0] = t;
-        if (lane < K) header[1 + lane] = a.topk_ids[static_cast<size_t>(t) * K + lane];
-      }
-      n += total;
-      __syncthreads();  // hits and scan_temp are reused by the next batch
-    }
-    __threadfence_system();  // this thread's row stores reach the peer before the signals below
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      nvshmemx_signal_op(ctx.dispatch_arrived + region, n, NVSHMEM_SIGNAL_ADD, dest);
-      nvshmemx_signal_op(ctx.dispatch_count + region, n + 1, NVSHMEM_SIGNAL_SET, dest);
+  for (int i = gwarp; i < my_tokens; i += nwarps) {
+    const int t = replica + i * s.dp_size;
+    const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
+    const int id = lane < K ? ids[lane] : -1;
+    const int dest_of_lane = lane_dest(s, ids, lane);
+    const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
+    for (int d = 0; d < s.world; ++d) {
+      auto* ids_row = static_cast<int32_t*>(nvshmem_ptr(ctx.dispatch_ids + slot * K, d));
+      if (lane < K) ids_row[lane] = id;
+      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
+      char* row = static_cast<char*>(nvshmem_ptr(ctx.dispatch_slots + slot * s.token_stride, d));
+      warp_copy(row, static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes, s.payload_bytes,
+                lane);
+      if (s.scale_cols)
+        warp_copy(row + scales_offset(s), a.scales + static_cast<size_t>(t) * s.scale_cols, 4 * s.scale_cols, lane);
+      auto* header = reinterpret_cast<int32_t*>(row + header_offset(s));
+      if (lane == 0) header[0] = t;
+      if (lane < K) header[1 + lane] = id;
     }
   }
-  finish_phase(ctx, kDispatchSend, a.status);
+  __threadfence_system();  // this thread's stores reach every peer before the ready signal
+  signal_ready(ctx, a, my_tokens);
 }
 
 __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
@@ -108,19 +99,17 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
     finish_phase(ctx, kDispatchSend, a.status, false);
     return;
   }
-  const int lane = threadIdx.x % 32;
-  const int warps_per_block = blockDim.x / 32;
-  const int gwarp = blockIdx.x * warps_per_block + threadIdx.x / 32;
-  const int nwarps = gridDim.x * warps_per_block;
   const int K = s.experts_per_token, replica = s.rank % s.dp_size;
+  const int lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
   int num_tokens;
   const int my_tokens = replica_tokens(s, a, &num_tokens);
   validate_ids(s, a, num_tokens, status);
 
-  // Pack: one stride per token this replica sends.
+  // Pack: one stride per token this replica sends (its header's ids are also the source of the ids rows).
   for (int i = gwarp; i < my_tokens; i += nwarps) {
     const int t = replica + i * s.dp_size;
-    char* staged = ctx.dispatch_staging + static_cast<size_t>(t) * s.token_stride;
+    char* staged = ctx.dispatch_staging + static_cast<size_t>(i) * s.token_stride;
     warp_copy(staged, static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes, s.payload_bytes,
               lane);
     if (s.scale_cols)
@@ -131,27 +120,19 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
   }
   cg::this_grid().sync();  // staging complete before any warp puts it
 
-  // One warp per destination expert: put its tokens in index order (a ballot prefix), then signal count + 1.
-  for (int e = gwarp; e < s.num_experts; e += nwarps) {
-    const int dest = e / s.local_experts, l = e % s.local_experts;
-    const size_t region = static_cast<size_t>(l) * s.world + s.rank;
-    char* slots = ctx.dispatch_slots + region * s.slots_per_region * s.token_stride;
-    uint64_t* arrived = ctx.dispatch_arrived + region;
-    int n = 0;
-    for (int base = 0; base < my_tokens; base += 32) {
-      const int i = base + lane;
-      const bool hit = i < my_tokens && selects(a.topk_ids, replica + i * s.dp_size, K, e);
-      for (unsigned m = __ballot_sync(0xffffffffu, hit); m; m &= m - 1) {
-        const int t = replica + (base + __ffs(m) - 1) * s.dp_size;
-        nvshmemx_putmem_signal_nbi_warp(slots + static_cast<size_t>(n) * s.token_stride,
-                                        ctx.dispatch_staging + static_cast<size_t>(t) * s.token_stride,
-                                        s.token_stride, arrived, 1, NVSHMEM_SIGNAL_ADD, dest);
-        ++n;
-      }
+  for (int i = gwarp; i < my_tokens; i += nwarps) {
+    const int t = replica + i * s.dp_size;
+    const char* staged = ctx.dispatch_staging + static_cast<size_t>(i) * s.token_stride;
+    const int dest_of_lane = lane_dest(s, a.topk_ids + static_cast<size_t>(t) * K, lane);
+    const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
+    for (int d = 0; d < s.world; ++d) {
+      nvshmemx_putmem_nbi_warp(ctx.dispatch_ids + slot * K, staged + header_offset(s) + 4, 4 * K, d);
+      if (__any_sync(0xffffffffu, dest_of_lane == d))
+        nvshmemx_putmem_nbi_warp(ctx.dispatch_slots + slot * s.token_stride, staged, s.token_stride, d);
     }
-    if (lane == 0) nvshmemx_signal_op(ctx.dispatch_count + region, n + 1, NVSHMEM_SIGNAL_SET, dest);
   }
-  finish_phase(ctx, kDispatchSend, a.status);
+  nvshmem_quiet();  // this thread's puts are complete before the ready signal
+  signal_ready(ctx, a, my_tokens);
 }
 
 }  // namespace
@@ -160,14 +141,13 @@ cudaError_t launch_dispatch_send(const Context& ctx, const DispatchSendArgs& a, 
   Context c = ctx;
   DispatchSendArgs args = a;
   void* params[] = {&c, &args};
-  if (ctx.p2p) {  // a block per expert; blocks never wait on each other
-    const int blocks = blocks_for(ctx.s.num_experts, 1, 8 * ctx.s.sm_count);
-    return cudaLaunchKernel(reinterpret_cast<void*>(dispatch_send_p2p_kernel), blocks, kThreads, params, 0, stream);
-  }
-  // Cooperative (grid.sync), so at most one block per SM; a warp per token to pack and per expert to send.
-  const int blocks = blocks_for(std::max(ctx.s.max_tokens, ctx.s.num_experts), kThreads / 32, ctx.s.sm_count);
-  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dispatch_send_staged_kernel), blocks, kThreads, params,
-                                     0, stream);
+  const int blocks_for_tokens = blocks_for(ctx.s.slots_per_source, kThreads / 32, 8 * ctx.s.sm_count);
+  if (ctx.p2p)  // a warp per token; blocks never wait on each other
+    return cudaLaunchKernel(reinterpret_cast<void*>(dispatch_send_p2p_kernel), blocks_for_tokens, kThreads, params,
+                            0, stream);
+  // Cooperative (grid.sync), so at most one block per SM.
+  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dispatch_send_staged_kernel),
+                                     std::min(blocks_for_tokens, ctx.s.sm_count), kThreads, params, 0, stream);
 }
 
 }  // namespace jmc

@@ -56,19 +56,21 @@ std::tuple<int, int, int> host_version() {
 namespace {
 
 struct Layout {  // byte sizes of each symmetric buffer
-  size_t dispatch_staging, dispatch_slots, dispatch_words, combine_staging, combine_slots, combine_words, sync, local;
+  size_t dispatch_staging, dispatch_slots, dispatch_ids, dispatch_ready, combine_staging, combine_slots,
+      combine_words, sync, local;
   size_t total() const {
-    return dispatch_staging + dispatch_slots + 2 * dispatch_words + combine_staging + combine_slots + combine_words +
-           sync + local;
+    return dispatch_staging + dispatch_slots + dispatch_ids + dispatch_ready + combine_staging + combine_slots +
+           combine_words + sync + local;
   }
 };
 
 Layout layout_of(const Sizes& s) {
-  const size_t regions = static_cast<size_t>(s.local_experts) * s.world;
+  const size_t slots = static_cast<size_t>(s.world) * s.slots_per_source;
   return Layout{
       static_cast<size_t>(s.max_tokens) * s.token_stride,
-      regions * s.slots_per_region * s.token_stride,
-      regions * sizeof(uint64_t),
+      slots * s.token_stride,
+      (slots * s.experts_per_token * sizeof(int32_t) + 15) / 16 * 16,
+      static_cast<size_t>(s.world) * sizeof(uint64_t),
       static_cast<size_t>(s.capacity) * s.combine_stride,
       static_cast<size_t>(s.max_tokens) * s.experts_per_token * s.combine_stride,
       static_cast<size_t>(s.max_tokens) * sizeof(uint64_t),
@@ -103,8 +105,8 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   auto take = [&p](size_t n) { char* q = p; p += n; return q; };
   ctx->dispatch_staging = take(bytes.dispatch_staging);
   ctx->dispatch_slots = take(bytes.dispatch_slots);
-  ctx->dispatch_count = reinterpret_cast<uint64_t*>(take(bytes.dispatch_words));
-  ctx->dispatch_arrived = reinterpret_cast<uint64_t*>(take(bytes.dispatch_words));
+  ctx->dispatch_ids = reinterpret_cast<int32_t*>(take(bytes.dispatch_ids));
+  ctx->dispatch_ready = reinterpret_cast<uint64_t*>(take(bytes.dispatch_ready));
   ctx->combine_staging = take(bytes.combine_staging);
   ctx->combine_slots = take(bytes.combine_slots);
   ctx->combine_arrived = reinterpret_cast<uint64_t*>(take(bytes.combine_words));

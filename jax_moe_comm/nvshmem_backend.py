@@ -55,7 +55,7 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132)
         local_experts=geo.L, capacity=geo.capacity, align=cfg.align, payload_bytes=payload,
         scale_cols=cfg.scale_cols,
         token_stride=_round16(payload + 4 * cfg.scale_cols + 4 * (1 + cfg.experts_per_token)),
-        slots_per_region=-(-cfg.max_tokens // cfg.dp_size),
+        slots_per_source=-(-cfg.max_tokens // cfg.dp_size),
         combine_stride=_round16(cfg.hidden * np.dtype(cfg.out_dtype).itemsize),
         timeout_ns=int(float(os.environ.get("JAX_MOE_COMM_TIMEOUT_S", "30")) * 1e9),
         sm_count=sm_count,
@@ -65,9 +65,9 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132)
 def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
     """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (the layout of ffi/runtime.cu)."""
     s = kernel_sizes(cfg, world, 0)
-    regions = s["local_experts"] * world
-    return (s["max_tokens"] * s["token_stride"] + regions * s["slots_per_region"] * s["token_stride"]
-            + 2 * regions * 8 + s["capacity"] * s["combine_stride"]
+    slots = world * s["slots_per_source"]
+    return (s["max_tokens"] * s["token_stride"] + slots * s["token_stride"]
+            + _round16(slots * s["experts_per_token"] * 4) + world * 8 + s["capacity"] * s["combine_stride"]
             + s["max_tokens"] * s["experts_per_token"] * s["combine_stride"] + s["max_tokens"] * 8 + world * 8
             + 4 * 4 * 4 + 4 * 4 + 16)  # per phase: status scratch, finished-block counter; the next phase
 
