@@ -70,7 +70,7 @@ Layout layout_of(const Sizes& s) {
       static_cast<size_t>(s.max_tokens) * s.token_stride,
       slots * s.token_stride,
       (slots * s.experts_per_token * sizeof(int32_t) + 15) / 16 * 16,
-      static_cast<size_t>(s.world) * sizeof(uint64_t),
+      (static_cast<size_t>(s.world) * sizeof(uint64_t) + 15) / 16 * 16,  // later buffers stay 16-byte aligned
       static_cast<size_t>(s.capacity) * s.combine_stride,
       static_cast<size_t>(s.max_tokens) * s.experts_per_token * s.combine_stride,
       static_cast<size_t>(s.max_tokens) * sizeof(uint64_t),

@@ -67,7 +67,7 @@ def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
     s = kernel_sizes(cfg, world, 0)
     slots = world * s["slots_per_source"]
     return (s["max_tokens"] * s["token_stride"] + slots * s["token_stride"]
-            + _round16(slots * s["experts_per_token"] * 4) + world * 8 + s["capacity"] * s["combine_stride"]
+            + _round16(slots * s["experts_per_token"] * 4) + _round16(world * 8) + s["capacity"] * s["combine_stride"]
             + s["max_tokens"] * s["experts_per_token"] * s["combine_stride"] + s["max_tokens"] * 8 + world * 8
             + 4 * 4 * 4 + 4 * 4 + 16)  # per phase: status scratch, finished-block counter; the next phase
 
