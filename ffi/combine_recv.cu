@@ -31,10 +31,7 @@ template <typename In, typename Out>
 __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kCombineRecv);
-  if (!in_protocol_order(ctx, kCombineRecv)) {
-    finish_phase(ctx, kCombineRecv, a.status, false);
-    return;
-  }
+  if (!begin_phase(ctx, kCombineRecv, a.status)) return;
   const int K = s.experts_per_token;
   const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
   const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;

@@ -8,10 +8,7 @@ namespace {
 
 __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
   const Sizes& s = ctx.s;
-  if (!in_protocol_order(ctx, kCombineSend)) {
-    finish_phase(ctx, kCombineSend, a.status, false);
-    return;
-  }
+  if (!begin_phase(ctx, kCombineSend, a.status)) return;
   if (blockIdx.x == 0) {
     // dispatch_recv (finished: same stream) has read every ready word: reset them before the sync flag lets a
     // peer start its next dispatch_send.

@@ -92,17 +92,6 @@ __device__ inline int32_t* phase_status(const Context& ctx, Phase phase) {
   return ctx.status_scratch + phase * kStatusWords;
 }
 
-// True when this MoEComm's protocol expects `phase` now (one round trip at a time: dispatch_send, dispatch_recv,
-// combine_send, combine_recv). Otherwise reports kOutOfOrder: the kernel then does nothing (no waits, no writes),
-// so interleaved round trips on one buffer set fail with a message instead of hanging or mixing rows. Every block
-// reads the same value: only the last block of the kernel advances it (finish_phase), after all have read it.
-__device__ inline bool in_protocol_order(const Context& ctx, Phase phase) {
-  const int32_t expected = *reinterpret_cast<volatile int32_t*>(ctx.next_phase);
-  if (expected == phase) return true;
-  if (blockIdx.x == 0 && threadIdx.x == 0) report(phase_status(ctx, phase), kOutOfOrder, phase, expected, phase);
-  return false;
-}
-
 // Called by every thread at the end of a phase's kernel: the last block to finish copies the errors recorded by
 // all blocks to the call's status output, clears the scratch for the next call and, if the phase ran (in order),
 // moves the protocol on. Returns true in that block.
@@ -118,6 +107,19 @@ __device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* ou
     if (ran) *ctx.next_phase = (phase + 1) % kPhases;
   }
   return true;
+}
+
+// Called by every thread at the start of a phase's kernel: true when this MoEComm's protocol expects `phase` now
+// (one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv). Otherwise it reports
+// kOutOfOrder and finishes the phase without running it; the kernel then returns at once (no waits, no writes), so
+// interleaved round trips on one buffer set fail with a message instead of hanging or mixing rows. Every block reads
+// the same value: only the last block of the kernel advances it (finish_phase), after all have read it.
+__device__ inline bool begin_phase(const Context& ctx, Phase phase, int32_t* out) {
+  const int32_t expected = *reinterpret_cast<volatile int32_t*>(ctx.next_phase);
+  if (expected == phase) return true;
+  if (blockIdx.x == 0 && threadIdx.x == 0) report(phase_status(ctx, phase), kOutOfOrder, phase, expected, phase);
+  finish_phase(ctx, phase, out, false);
+  return false;
 }
 
 // Blocks for `work` items at `per_block` items each, at least 1 and at most `cap`.

@@ -60,10 +60,7 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
   __shared__ int hit_token[kThreads], hit_slot[kThreads];
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kDispatchRecv);
-  if (!in_protocol_order(ctx, kDispatchRecv)) {
-    finish_phase(ctx, kDispatchRecv, a.status, false);
-    return;
-  }
+  if (!begin_phase(ctx, kDispatchRecv, a.status)) return;
   const int L = s.local_experts, G = s.num_dp, K = s.experts_per_token;
   extern __shared__ int smem[];
   int* group_tokens = smem;                  // [G] tokens of each DP group

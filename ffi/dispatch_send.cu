@@ -45,6 +45,16 @@ __device__ inline int lane_dest(const Sizes& s, const int32_t* ids, int lane) {
   return lane < s.experts_per_token && slot_is_live(ids, lane, s.num_experts) ? ids[lane] / s.local_experts : -1;
 }
 
+// Token t's stride at `row` (a peer's slot or this rank's staging): payload | fp32 scales | int32 t | int32 ids[K].
+__device__ inline void write_token_row(char* row, const Sizes& s, const DispatchSendArgs& a, int t, int lane) {
+  warp_copy(row, static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes, s.payload_bytes, lane);
+  if (s.scale_cols)
+    warp_copy(row + scales_offset(s), a.scales + static_cast<size_t>(t) * s.scale_cols, 4 * s.scale_cols, lane);
+  auto* header = reinterpret_cast<int32_t*>(row + header_offset(s));
+  if (lane == 0) header[0] = t;
+  if (lane < s.experts_per_token) header[1 + lane] = a.topk_ids[static_cast<size_t>(t) * s.experts_per_token + lane];
+}
+
 // Once every block is done (its stores fenced / its puts quiet): the last block SETs our ready word everywhere.
 __device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& a, int my_tokens) {
   if (finish_phase(ctx, kDispatchSend, a.status)) {
@@ -57,10 +67,7 @@ __device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& 
 __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kDispatchSend);
-  if (!in_protocol_order(ctx, kDispatchSend)) {
-    finish_phase(ctx, kDispatchSend, a.status, false);
-    return;
-  }
+  if (!begin_phase(ctx, kDispatchSend, a.status)) return;
   const int K = s.experts_per_token, replica = s.rank % s.dp_size;
   const int lane = threadIdx.x % 32;
   const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
@@ -78,14 +85,7 @@ __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
       auto* ids_row = static_cast<int32_t*>(nvshmem_ptr(ctx.dispatch_ids + slot * K, d));
       if (lane < K) ids_row[lane] = id;
       if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
-      char* row = static_cast<char*>(nvshmem_ptr(ctx.dispatch_slots + slot * s.token_stride, d));
-      warp_copy(row, static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes, s.payload_bytes,
-                lane);
-      if (s.scale_cols)
-        warp_copy(row + scales_offset(s), a.scales + static_cast<size_t>(t) * s.scale_cols, 4 * s.scale_cols, lane);
-      auto* header = reinterpret_cast<int32_t*>(row + header_offset(s));
-      if (lane == 0) header[0] = t;
-      if (lane < K) header[1 + lane] = id;
+      write_token_row(static_cast<char*>(nvshmem_ptr(ctx.dispatch_slots + slot * s.token_stride, d)), s, a, t, lane);
     }
   }
   __threadfence_system();  // this thread's stores reach every peer before the ready signal
@@ -95,10 +95,7 @@ __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
 __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kDispatchSend);
-  if (!in_protocol_order(ctx, kDispatchSend)) {
-    finish_phase(ctx, kDispatchSend, a.status, false);
-    return;
-  }
+  if (!begin_phase(ctx, kDispatchSend, a.status)) return;
   const int K = s.experts_per_token, replica = s.rank % s.dp_size;
   const int lane = threadIdx.x % 32;
   const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
@@ -109,14 +106,7 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
   // Pack: one stride per token this replica sends (its header's ids are also the source of the ids rows).
   for (int i = gwarp; i < my_tokens; i += nwarps) {
     const int t = replica + i * s.dp_size;
-    char* staged = ctx.dispatch_staging + static_cast<size_t>(i) * s.token_stride;
-    warp_copy(staged, static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes, s.payload_bytes,
-              lane);
-    if (s.scale_cols)
-      warp_copy(staged + scales_offset(s), a.scales + static_cast<size_t>(t) * s.scale_cols, 4 * s.scale_cols, lane);
-    auto* header = reinterpret_cast<int32_t*>(staged + header_offset(s));
-    if (lane == 0) header[0] = t;
-    if (lane < K) header[1 + lane] = a.topk_ids[static_cast<size_t>(t) * K + lane];
+    write_token_row(ctx.dispatch_staging + static_cast<size_t>(i) * s.token_stride, s, a, t, lane);
   }
   cg::this_grid().sync();  // staging complete before any warp puts it
 
