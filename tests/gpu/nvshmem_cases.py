@@ -276,26 +276,34 @@ def case_grad_fp8(mesh, seed, block=128):
 
 
 def protocol_schedule(compiled) -> str:
-    """The order XLA scheduled the kernels in, per HLO computation: e.g. 'main: A.ds A.dr A.cs A.cr B.ds ...' (A, B:
-    the MoEComms, by their context attribute). Printed by the composition cases to show how XLA ordered them."""
+    """The order XLA scheduled the kernels in, per HLO computation that holds any: e.g. 'main: A.ds A.dr [body.3]
+    A.cs A.cr' (A, B: the MoEComms, by their context attribute; [name]: a call of another such computation, e.g. a
+    while body or a fusion). Printed by the composition cases to show how XLA ordered the kernels."""
     short = {"dispatch_send": "ds", "dispatch_recv": "dr", "combine_send": "cs", "combine_recv": "cr"}
     names: dict[str, str] = {}
-    lines, current, calls = [], "", []
+    items: dict[str, list[str]] = {}
+    current = ""
     for line in compiled.as_text().splitlines():
         header = re.match(r"^(ENTRY )?%?([\w.\-]+) ", line)
         if header and line.rstrip().endswith("{"):
-            if calls:
-                lines.append(f"{current}: {' '.join(calls)}")
-            current, calls = header.group(2), []
+            current = header.group(2)
+            items[current] = []
+            continue
         call = re.search(r'custom_call_target="jmc_(\w+)"', line)
         if call:
-            ctx = re.search(r"context = (-?\d+)", line)
+            ctx = re.search(r"context\s*=\s*(-?\d+)", line)
             key = ctx.group(1) if ctx else "?"
             names.setdefault(key, "ABCDEFGH"[len(names) % 8])
-            calls.append(f"{names[key]}.{short.get(call.group(1), call.group(1))}")
-    if calls:
-        lines.append(f"{current}: {' '.join(calls)}")
-    return "\n".join(lines)
+            items[current].append(f"{names[key]}.{short.get(call.group(1), call.group(1))}")
+        for callee in re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", line):
+            items[current].append(f"[{callee}]")
+
+    def holds_kernels(name, seen=()):
+        return any(not i.startswith("[") or (i[1:-1] not in seen and holds_kernels(i[1:-1], (*seen, name)))
+                   for i in items.get(name, ()))
+
+    return "\n".join(f"{name}: {' '.join(i for i in calls if not i.startswith('[') or holds_kernels(i[1:-1]))}"
+                     for name, calls in items.items() if holds_kernels(name))
 
 
 def case_grad_composition(mesh, seed, composition, layers=3):
@@ -316,7 +324,9 @@ def case_grad_composition(mesh, seed, composition, layers=3):
 
     def layer(comm, x, ids, w, ew, remat=False):
         d = comm.dispatch(x, ids)
-        experts = lambda rows, ew: jnp.tanh(jax.lax.ragged_dot(rows, ew, d.group_sizes))  # noqa: E731
+        # Full float32 matmuls: with TF32 the two backends' last-bit differences would move gradients by ~1e-4.
+        experts = lambda rows, ew: jnp.tanh(jax.lax.ragged_dot(  # noqa: E731
+            rows, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST))
         expert_y = (jax.checkpoint(experts) if remat else experts)(d.expert_x, ew)
         return x + comm.combine(expert_y, d.handle, w)
 
@@ -340,7 +350,12 @@ def case_grad_composition(mesh, seed, composition, layers=3):
                                out_specs=P("ep"))
         loss = jax.jit(jax.grad(lambda x, ids, w, ew, f=mapped: jnp.sum(f(x, ids, w, ew) ** 2), argnums=(0, 2, 3)))
         if backend == "nvshmem" and jax.process_index() == 0:
-            print(f"kernel order ({composition}):\n{protocol_schedule(loss.lower(*args).compile())}", file=sys.stderr)
+            compiled = loss.lower(*args).compile()
+            print(f"kernel order ({composition}):\n{protocol_schedule(compiled)}", file=sys.stderr)
+            if os.environ.get("JMC_HLO_DIR"):  # the whole optimized module, for a closer look
+                with open(os.path.join(os.environ["JMC_HLO_DIR"], f"grad_{composition.replace(' ', '_')}.hlo"),
+                          "w") as f:
+                    f.write(compiled.as_text())
         try:
             grads[backend] = gather(loss(*args))
         finally:

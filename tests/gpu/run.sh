@@ -17,6 +17,7 @@ export NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 JAX_MOE_
 OUT=${OUT:-/tmp/jmc_gpu_out}
 LOGS=${LOGS:-/tmp/jmc_gpu_logs}  # packed into $OUT/logs.tar.gz at exit (few files come back from a device call)
 mkdir -p "$OUT" "$LOGS"
+export JMC_HLO_DIR=$LOGS  # the composition cases write their optimized HLO there
 trap 'tar czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null' EXIT
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD
@@ -111,13 +112,15 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
     step "compute-sanitizer memcheck: $SANITIZE (JAX_MOE_COMM_STAGED=$staged)"
     log="$LOGS/sanitizer_staged$staged.log"
     if [ $staged = 1 ]; then export JAX_MOE_COMM_STAGED=1; else unset JAX_MOE_COMM_STAGED; fi
-    timeout 300 compute-sanitizer --tool memcheck --target-processes all --print-limit 1000 \
-      python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$log" 2>&1
+    # One sanitizer per worker (not around the launcher), memory allocated on demand (no 50% preallocation).
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m jax_moe_comm.launch -n 2 -- \
+      tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$log" 2>&1
     rc=$?
     grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
     echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
       "$log"); CUDA API errors reported: $(grep -c '========= Program hit' "$log")" | tee -a "$OUT/summary.txt"
     grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$log" | head -12 | tee -a "$OUT/summary.txt"
+    grep -E "ERROR SUMMARY" "$log" | tee -a "$OUT/summary.txt"  # one line per rank's sanitizer
     grep -v -E "=========|^\[rank 1\]" "$log" | tail -6 | tee -a "$OUT/summary.txt"  # how it ended
     step "sanitizer exit code $rc"
   done
