@@ -138,6 +138,10 @@ def _varying(a: Array, axis_name: str) -> Array:
 
 def _call(name: str, results, plan: Plan, *args, **attrs):
     outs = jax.ffi.ffi_call(f"jmc_{name}", results, has_side_effect=True)(*args, context=np.int64(plan.ctx), **attrs)
+    # XLA:GPU's dynamic-slice fusion clones a custom call whose result is written into a slice of a loop buffer
+    # (e.g. a lax.scan stacking residuals for the backward pass), side effect or not: dispatch_recv then ran twice
+    # per iteration. Behind an optimization barrier (free: no copy, no kernel) the results match no such pattern.
+    outs = jax.lax.optimization_barrier(outs)
     return jax.tree.map(lambda a: _varying(a, plan.geo.axis_name), outs)
 
 
