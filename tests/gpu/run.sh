@@ -112,8 +112,10 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
     step "compute-sanitizer memcheck: $SANITIZE (JAX_MOE_COMM_STAGED=$staged)"
     log="$LOGS/sanitizer_staged$staged.log"
     if [ $staged = 1 ]; then export JAX_MOE_COMM_STAGED=1; else unset JAX_MOE_COMM_STAGED; fi
-    # One sanitizer per worker (not around the launcher), memory allocated on demand (no 50% preallocation).
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m jax_moe_comm.launch -n 2 -- \
+    # One sanitizer per worker (not around the launcher), memory allocated on demand (no 50% preallocation), and
+    # NVSHMEM without its NCCL teams: NCCL's communicator init crashed (SIGSEGV) under memcheck before any kernel of
+    # ours ran (we use no NVSHMEM collective but barrier_all).
+    NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m jax_moe_comm.launch -n 2 -- \
       tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$log" 2>&1
     rc=$?
     grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
