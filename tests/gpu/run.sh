@@ -115,7 +115,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
     # One sanitizer per worker (not around the launcher), memory allocated on demand (no 50% preallocation), and
     # NVSHMEM without its NCCL teams: NCCL's communicator init crashed (SIGSEGV) under memcheck before any kernel of
     # ours ran (we use no NVSHMEM collective but barrier_all).
-    NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m jax_moe_comm.launch -n 2 -- \
+    PYTHONFAULTHANDLER=1 NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m jax_moe_comm.launch -n 2 -- \
       tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$log" 2>&1
     rc=$?
     grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
@@ -123,7 +123,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
       "$log"); CUDA API errors reported: $(grep -c '========= Program hit' "$log")" | tee -a "$OUT/summary.txt"
     grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$log" | head -12 | tee -a "$OUT/summary.txt"
     grep -E "ERROR SUMMARY" "$log" | tee -a "$OUT/summary.txt"  # one line per rank's sanitizer
-    grep -v -E "=========|^\[rank 1\]" "$log" | tail -6 | tee -a "$OUT/summary.txt"  # how it ended
+    grep -v -E "=========|^\[rank 1\]" "$log" | tail -12 | tee -a "$OUT/summary.txt"  # how it ended
     step "sanitizer exit code $rc"
   done
   unset JAX_MOE_COMM_STAGED
