@@ -206,6 +206,16 @@ def case_repeat(mesh, seed, calls=200):
     return f"{calls} calls, max abs diff {worst:.1e}"
 
 
+def compare_grads(grads: dict, names: tuple[str, ...], bound: float) -> str:
+    """grads["nvshmem"] against grads["reference"], leaf by leaf (named `names`): relative max error below bound."""
+    worst = 0.0
+    for name, a, b in zip(names, grads["nvshmem"], grads["reference"], strict=True):
+        err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+        assert err < bound, f"d loss / d {name}: rel err {err:.2e}"
+        worst = max(worst, err)
+    return f"grads rel err <= {worst:.1e}"
+
+
 def case_grad(mesh, seed, dp_size=1):
     """jax.grad through dispatch -> expert -> combine: the NVSHMEM backend's custom VJP equals plain AD on the
     reference backend (x, topk_weights and expert weights). With dp_size > 1 the replicas of a group hold the same
@@ -231,12 +241,7 @@ def case_grad(mesh, seed, dp_size=1):
         loss = jax.jit(jax.grad(lambda x, w, ew, ids, f=mapped: jnp.sum(f(x, ids, w, ew) ** 2), argnums=(0, 1, 2)))
         grads[backend] = gather(loss(x, w, expert_w, ids))  # global arrays are arguments, never closed over
         comm.close()
-    worst = 0.0
-    for name, a, b in zip(("x", "topk_weights", "expert weights"), grads["nvshmem"], grads["reference"], strict=True):
-        err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-        assert err < 1e-4, f"d loss / d {name}: rel err {err:.2e}"
-        worst = max(worst, err)
-    return f"grads rel err <= {worst:.1e}"
+    return compare_grads(grads, ("x", "topk_weights", "expert weights"), 1e-4)
 
 
 def case_grad_fp8(mesh, seed, block=128):
@@ -267,12 +272,7 @@ def case_grad_fp8(mesh, seed, block=128):
                                 argnums=(0, 1)))
         grads[backend] = gather(loss(args[3], ew, *args[:3]))
         comm.close()
-    worst = 0.0
-    for name, a, b in zip(("topk_weights", "expert weights"), grads["nvshmem"], grads["reference"], strict=True):
-        err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-        assert err < 1e-2, f"d loss / d {name}: rel err {err:.2e}"
-        worst = max(worst, err)
-    return f"grads rel err <= {worst:.1e}"
+    return compare_grads(grads, ("topk_weights", "expert weights"), 1e-2)
 
 
 def protocol_schedule(compiled) -> str:
@@ -361,12 +361,7 @@ def case_grad_composition(mesh, seed, composition, layers=3):
         finally:
             for comm in comms:
                 comm.close()
-    worst = 0.0
-    for name, a, b in zip(("x", "topk_weights", "expert weights"), grads["nvshmem"], grads["reference"], strict=True):
-        err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-        assert err < 1e-4, f"d loss / d {name}: rel err {err:.2e}"
-        worst = max(worst, err)
-    return f"grads rel err <= {worst:.1e}"
+    return compare_grads(grads, ("x", "topk_weights", "expert weights"), 1e-4)
 
 
 def raises_promptly(call, text: str, what: str, limit_s: float = 5.0) -> str:
