@@ -11,7 +11,8 @@
 namespace jmc {
 namespace {
 
-constexpr int kChunk = 8;  // columns per thread: one 16-byte load of bf16/fp16 rows
+constexpr int kChunk = 8;      // columns per thread: one 16-byte load of bf16/fp16 rows
+constexpr int kSlotBatch = 4;  // slots whose chunks a thread loads before it adds them (loads in flight)
 
 __device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ inline float to_float(__half v) { return __half2float(v); }
@@ -57,16 +58,29 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
       }
       if (wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, status, kCombineRecv, first_remote_peer)) {
         const char* slots = ctx.combine_slots + static_cast<size_t>(t) * K * s.combine_stride;
-        for (unsigned m = live_mask; m; m &= m - 1) {  // slots in order 0..K-1, like the reference
-          const int k = __ffs(m) - 1;
-          const float w = a.topk_weights[static_cast<size_t>(t) * K + k];
-          const In* row = reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
-          if (vector_ok) {
-            const Chunk<In> v = *reinterpret_cast<const Chunk<In>*>(row);
+        const float* weights = a.topk_weights + static_cast<size_t>(t) * K;
+        const auto is_live = [&](int k) { return k < K && (live_mask >> k & 1u); };
+        const auto row_of = [&](int k) {
+          return reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
+        };
+        if (vector_ok) {  // kSlotBatch slots' chunks loaded before any is added; slots still added in order
+          for (int k0 = 0; k0 < K; k0 += kSlotBatch) {
+            Chunk<In> v[kSlotBatch];
 #pragma unroll
-            for (int j = 0; j < kChunk; ++j) acc[j] += w * to_float(v.v[j]);
-          } else {
-            for (int j = 0; j < cols; ++j) acc[j] += w * to_float(row[j]);
+            for (int b = 0; b < kSlotBatch; ++b)
+              if (is_live(k0 + b)) v[b] = *reinterpret_cast<const Chunk<In>*>(row_of(k0 + b));
+#pragma unroll
+            for (int b = 0; b < kSlotBatch; ++b) {
+              if (!is_live(k0 + b)) continue;
+              const float w = weights[k0 + b];
+#pragma unroll
+              for (int j = 0; j < kChunk; ++j) acc[j] += w * to_float(v[b].v[j]);
+            }
+          }
+        } else {
+          for (unsigned m = live_mask; m; m &= m - 1) {  // slots in order 0..K-1, like the reference
+            const int k = __ffs(m) - 1;
+            for (int j = 0; j < cols; ++j) acc[j] += weights[k] * to_float(row_of(k)[j]);
           }
         }
       }

@@ -55,13 +55,29 @@ __device__ inline bool slot_is_live(const int32_t* ids, int k, int num_experts) 
   return true;
 }
 
-// Warp-cooperative copy: 16-byte words when both ends are 16-byte aligned, then a byte tail.
+constexpr int kCopyDepth = 4;  // 16-byte loads each lane has in flight before it stores them
+
+// Warp-cooperative copy: 16-byte words when both ends are 16-byte aligned, then a byte tail. Each lane loads
+// kCopyDepth words before storing any (the compiler may not reorder a load past a store that could alias it), so
+// a row is not copied at the pace of one memory round trip per 512 bytes.
 __device__ inline void warp_copy(void* dst, const void* src, int bytes, int lane) {
   const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0;
   const int vecs = aligned ? bytes / 16 : 0;
   auto* d4 = reinterpret_cast<int4*>(dst);
   auto* s4 = reinterpret_cast<const int4*>(src);
-  for (int i = lane; i < vecs; i += 32) d4[i] = s4[i];
+  for (int base = 0; base < vecs; base += 32 * kCopyDepth) {
+    int4 words[kCopyDepth];
+#pragma unroll
+    for (int j = 0; j < kCopyDepth; ++j) {
+      const int i = base + j * 32 + lane;
+      if (i < vecs) words[j] = s4[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kCopyDepth; ++j) {
+      const int i = base + j * 32 + lane;
+      if (i < vecs) d4[i] = words[j];
+    }
+  }
   auto* d = reinterpret_cast<char*>(dst);
   auto* s = reinterpret_cast<const char*>(src);
   for (int i = vecs * 16 + lane; i < bytes; i += 32) d[i] = s[i];
