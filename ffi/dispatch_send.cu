@@ -64,16 +64,23 @@ __device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& 
   }
 }
 
+// The start of both send kernels: the protocol-order check (false: the phase did not run), then this replica's
+// token count and the validation of every live token's ids.
+__device__ inline bool begin_send(const Context& ctx, const DispatchSendArgs& a, int* my_tokens) {
+  if (!begin_phase(ctx, kDispatchSend, a.status)) return false;
+  int num_tokens;
+  *my_tokens = replica_tokens(ctx.s, a, &num_tokens);
+  validate_ids(ctx.s, a, num_tokens, phase_status(ctx, kDispatchSend));
+  return true;
+}
+
 __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
+  int my_tokens;
+  if (!begin_send(ctx, a, &my_tokens)) return;
   const Sizes& s = ctx.s;
-  int32_t* status = phase_status(ctx, kDispatchSend);
-  if (!begin_phase(ctx, kDispatchSend, a.status)) return;
   const int K = s.experts_per_token, replica = s.rank % s.dp_size;
   const int lane = threadIdx.x % 32;
   const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
-  int num_tokens;
-  const int my_tokens = replica_tokens(s, a, &num_tokens);
-  validate_ids(s, a, num_tokens, status);
 
   for (int i = gwarp; i < my_tokens; i += nwarps) {
     const int t = replica + i * s.dp_size;
@@ -93,15 +100,12 @@ __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
 }
 
 __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
+  int my_tokens;
+  if (!begin_send(ctx, a, &my_tokens)) return;
   const Sizes& s = ctx.s;
-  int32_t* status = phase_status(ctx, kDispatchSend);
-  if (!begin_phase(ctx, kDispatchSend, a.status)) return;
   const int K = s.experts_per_token, replica = s.rank % s.dp_size;
   const int lane = threadIdx.x % 32;
   const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
-  int num_tokens;
-  const int my_tokens = replica_tokens(s, a, &num_tokens);
-  validate_ids(s, a, num_tokens, status);
 
   // Pack: one stride per token this replica sends (its header's ids are also the source of the ids rows).
   for (int i = gwarp; i < my_tokens; i += nwarps) {
