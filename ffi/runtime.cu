@@ -76,7 +76,7 @@ Layout layout_of(const Sizes& s) {
       world_words,
       static_cast<size_t>(s.capacity) * s.combine_stride,
       static_cast<size_t>(s.max_tokens) * s.experts_per_token * s.combine_stride,
-      static_cast<size_t>(s.max_tokens) * sizeof(uint64_t),
+      round16(static_cast<size_t>(s.max_tokens) * sizeof(uint64_t)),
       world_words,
       round16(slots * s.experts_per_token * sizeof(float)),
       world_words,

@@ -199,10 +199,10 @@ class MoEComm:
     def combine_recv(self, pending, topk_weights: Array | None = None) -> Array:
         """Waits for the expert rows and returns y [max_tokens, H] out_dtype, y[i] = sum_k w[i,k] row(i,k).
         topk_weights: here exactly when combine_send did not get them."""
-        if (topk_weights is None) == (pending.topk_weights is None):
-            raise ValueError("topk_weights must be given to exactly one of combine_send and combine_recv")
         if topk_weights is not None:
             self._check_weights(topk_weights)
+        if (topk_weights is None) == (getattr(pending, "topk_weights", None) is None):
+            raise ValueError("topk_weights must be given to exactly one of combine_send and combine_recv")
         return self._impl.combine_recv(self._plan, pending, topk_weights)
 
     def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:

@@ -68,7 +68,7 @@ def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
     slots, T, K = world * s["slots_per_source"], s["max_tokens"], s["experts_per_token"]
     world_words = _round16(world * 8)
     return (T * s["token_stride"] + slots * s["token_stride"] + _round16(slots * K * 4) + world_words  # dispatch
-            + s["capacity"] * s["combine_stride"] + T * K * s["combine_stride"] + T * 8 + world_words  # combine
+            + (s["capacity"] + T * K) * s["combine_stride"] + _round16(T * 8) + world_words  # combine
             + _round16(slots * K * 4) + world_words + world * T * s["combine_stride"] + world_words  # pre-reduced
             + _round16(s["num_dp"] * T * K * 4)  # row_of
             + 4 * 4 * 4 + 4 * 4 + 16)  # per phase: status scratch, finished-block counter; the next phase
