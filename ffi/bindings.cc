@@ -71,6 +71,8 @@ NB_MODULE(_nvshmem_ext, m) {
   }, "Collective: allocate one MoEComm's symmetric buffers; returns the context address for the handlers.");
   m.def("destroy_context", [](intptr_t ctx) { jmc::destroy_context(reinterpret_cast<jmc::Context*>(ctx)); },
         "Collective: free a context's symmetric buffers.");
+  m.def("context_p2p", [](intptr_t ctx) { return reinterpret_cast<jmc::Context*>(ctx)->p2p; },
+        "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
   m.def("handlers", [] {
     return std::map<std::string, nb::capsule>{
         {"dispatch_send", nb::capsule(reinterpret_cast<void*>(jmc_dispatch_send))},

@@ -1,32 +1,83 @@
-// combine_recv: y[t] = sum over live slots k (in slot order) of w[t,k] * row(t,k), accumulated in fp32.
+// combine_recv: y[t] = sum over live slots k (in slot order) of w[t,k] * row(t,k), accumulated in fp32; or, when
+// combine_send pre-reduced, the sum of the token's partial rows over the ranks that hold its experts.
 // Each thread owns kChunk consecutive columns of one token row and waits for that token's live slots itself, so
 // every SM works even when one token is live (a warp per token walked 7168 columns serially: ~750 us). The last
 // block to finish resets the arrival counters. Then the one global barrier: wait for every
 // peer's sync flag (it has finished reading the dispatch buffers this rank writes next) and reset it.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "device_common.cuh"
+#include "dtypes.cuh"
 
 namespace jmc {
 namespace {
 
-constexpr int kChunk = 8;      // columns per thread: one 16-byte load of bf16/fp16 rows
 constexpr int kSlotBatch = 4;  // slots whose chunks a thread loads before it adds them (loads in flight)
 
-__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ inline float to_float(__half v) { return __half2float(v); }
-__device__ inline float to_float(float v) { return v; }
-template <typename T> __device__ inline T from_float(float v);
-template <> __device__ inline __nv_bfloat16 from_float(float v) { return __float2bfloat16(v); }
-template <> __device__ inline __half from_float(float v) { return __float2half(v); }
-template <> __device__ inline float from_float(float v) { return v; }
+// Pre-reduced rows: acc += the partial rows of token t from each rank hosting one of its live slots, ranks in
+// ascending order (partial rows have the type In).
+template <typename In>
+__device__ inline void add_partials(const Context& ctx, const int32_t* ids, int t, int c0, float* acc, bool vector,
+                                    int cols) {
+  const Sizes& s = ctx.s;
+  int ranks[kMaxExpertsPerToken];
+  int n = 0;
+  for (int k = 0; k < s.experts_per_token; ++k) {
+    if (!slot_is_live(ids, k, s.num_experts)) continue;
+    const int r = ids[k] / s.local_experts;
+    int j = n;  // insertion into the sorted, distinct list
+    while (j > 0 && ranks[j - 1] > r) --j;
+    if (j > 0 && ranks[j - 1] == r) continue;
+    for (int m = n; m > j; --m) ranks[m] = ranks[m - 1];
+    ranks[j] = r;
+    ++n;
+  }
+  for (int j = 0; j < n; ++j) {
+    const char* row = ctx.combine_partials + (static_cast<size_t>(ranks[j]) * s.max_tokens + t) * s.combine_stride;
+    add_chunk(acc, 1.f, reinterpret_cast<const In*>(row) + c0, vector, cols);
+  }
+}
 
-// kChunk elements of type T as raw 16-byte words (sizeof(T) * kChunk is 16 or 32 bytes).
-template <typename T>
-struct alignas(16) Chunk {
-  T v[kChunk];
-};
+// Rows per slot: waits for token t's live slots, then acc += w[k] * row(t, k), slots in order 0..K-1 like the
+// reference.
+template <typename In>
+__device__ inline void add_slots(const Context& ctx, const int32_t* ids, const float* weights, int t, int c0,
+                                 float* acc, bool vector, int cols, int32_t* status) {
+  const Sizes& s = ctx.s;
+  unsigned live_mask = 0;
+  int first_remote_peer = s.rank;
+  for (int k = 0; k < s.experts_per_token; ++k) {
+    if (!slot_is_live(ids, k, s.num_experts)) continue;
+    live_mask |= 1u << k;
+    const int peer = ids[k] / s.local_experts;
+    if (first_remote_peer == s.rank) first_remote_peer = peer;
+  }
+  if (!wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, status, kCombineRecv, first_remote_peer)) return;
+  const char* slots = ctx.combine_slots + static_cast<size_t>(t) * s.experts_per_token * s.combine_stride;
+  const auto row_of = [&](int k) {
+    return reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
+  };
+  if (!vector) {
+    for (unsigned m = live_mask; m; m &= m - 1) {
+      const int k = __ffs(m) - 1;
+      add_chunk(acc, weights[k], row_of(k), false, cols);
+    }
+    return;
+  }
+  // kSlotBatch slots' chunks are loaded before any is added (loads in flight); slots are still added in order.
+  const auto is_live = [&](int k) { return k < s.experts_per_token && (live_mask >> k & 1u); };
+  for (int k0 = 0; k0 < s.experts_per_token; k0 += kSlotBatch) {
+    Chunk<In> v[kSlotBatch];
+#pragma unroll
+    for (int b = 0; b < kSlotBatch; ++b)
+      if (is_live(k0 + b)) v[b] = *reinterpret_cast<const Chunk<In>*>(row_of(k0 + b));
+#pragma unroll
+    for (int b = 0; b < kSlotBatch; ++b) {
+      if (!is_live(k0 + b)) continue;
+      const float w = weights[k0 + b];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) acc[j] += w * to_float(v[b].v[j]);
+    }
+  }
+}
 
 template <typename In, typename Out>
 __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
@@ -39,6 +90,10 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   // Whole-chunk vector loads/stores need every row start 16-byte aligned (slot rows are; output rows need this).
   const bool vector_ok = s.hidden % kChunk == 0 && (s.hidden * sizeof(Out)) % 16 == 0;
   const size_t items = static_cast<size_t>(s.max_tokens) * chunks_per_row;
+  if (a.reduced) {  // one partial row per expert rank, all signalled at once by each rank's combine_send
+    if (threadIdx.x < s.world) wait_at_least(ctx.partials_ready + threadIdx.x, 1, s, status, kCombineRecv, threadIdx.x);
+    __syncthreads();
+  }
 
   for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
        item += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -48,52 +103,12 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
     float acc[kChunk] = {};
     if (t < num_tokens) {
       const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
-      unsigned live_mask = 0;
-      int first_remote_peer = s.rank;
-      for (int k = 0; k < K; ++k) {
-        if (!slot_is_live(ids, k, s.num_experts)) continue;
-        live_mask |= 1u << k;
-        const int peer = ids[k] / s.local_experts;
-        if (first_remote_peer == s.rank) first_remote_peer = peer;
-      }
-      if (wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, status, kCombineRecv, first_remote_peer)) {
-        const char* slots = ctx.combine_slots + static_cast<size_t>(t) * K * s.combine_stride;
-        const float* weights = a.topk_weights + static_cast<size_t>(t) * K;
-        const auto is_live = [&](int k) { return k < K && (live_mask >> k & 1u); };
-        const auto row_of = [&](int k) {
-          return reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
-        };
-        if (vector_ok) {  // kSlotBatch slots' chunks loaded before any is added; slots still added in order
-          for (int k0 = 0; k0 < K; k0 += kSlotBatch) {
-            Chunk<In> v[kSlotBatch];
-#pragma unroll
-            for (int b = 0; b < kSlotBatch; ++b)
-              if (is_live(k0 + b)) v[b] = *reinterpret_cast<const Chunk<In>*>(row_of(k0 + b));
-#pragma unroll
-            for (int b = 0; b < kSlotBatch; ++b) {
-              if (!is_live(k0 + b)) continue;
-              const float w = weights[k0 + b];
-#pragma unroll
-              for (int j = 0; j < kChunk; ++j) acc[j] += w * to_float(v[b].v[j]);
-            }
-          }
-        } else {
-          for (unsigned m = live_mask; m; m &= m - 1) {  // slots in order 0..K-1, like the reference
-            const int k = __ffs(m) - 1;
-            for (int j = 0; j < cols; ++j) acc[j] += weights[k] * to_float(row_of(k)[j]);
-          }
-        }
-      }
+      if (a.reduced)
+        add_partials<In>(ctx, ids, t, c0, acc, vector_ok, cols);
+      else
+        add_slots<In>(ctx, ids, a.topk_weights + static_cast<size_t>(t) * K, t, c0, acc, vector_ok, cols, status);
     }
-    Out* out = static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0;
-    if (vector_ok) {
-      Chunk<Out> v;
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) v.v[j] = from_float<Out>(acc[j]);
-      *reinterpret_cast<Chunk<Out>*>(out) = v;
-    } else {
-      for (int j = 0; j < cols; ++j) out[j] = from_float<Out>(acc[j]);
-    }
+    store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector_ok, cols);
   }
 
   // The global barrier (block 0, one thread per peer).
@@ -106,6 +121,7 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   // them again only after our next dispatch_send, which the stream runs after this kernel).
   if (finish_phase(ctx, kCombineRecv, a.status)) {
     for (int t = threadIdx.x; t < s.max_tokens; t += blockDim.x) ctx.combine_arrived[t] = 0;
+    for (int r = threadIdx.x; r < s.world; r += blockDim.x) ctx.weights_ready[r] = ctx.partials_ready[r] = 0;
   }
 }
 

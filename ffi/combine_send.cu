@@ -1,10 +1,16 @@
 // combine_send: reset the dispatch ready words and tell every peer we are done reading our dispatch buffers (sync
 // flag), then send each valid expert output row home, to every replica of its source DP group, into the slot
-// (token, top-k slot).
+// (token, top-k slot). Given the weights (the fused combine, NVLink path) it pre-reduces instead: one row per
+// (token, expert rank), the weighted sum of the token's rows on this rank (combine_send_reduced_kernel).
+#include <cooperative_groups.h>
+
 #include "device_common.cuh"
+#include "dtypes.cuh"
 
 namespace jmc {
 namespace {
+
+namespace cg = cooperative_groups;
 
 __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
   const Sizes& s = ctx.s;
@@ -52,9 +58,129 @@ __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
   finish_phase(ctx, kCombineSend, a.status);
 }
 
+// Pre-reduced combine_send (cooperative launch: every block resident, so blocks may wait for peers' blocks).
+//   1. Publish this replica's tokens' weights to every rank; invert row_origin into row_of (local).
+//   2. Grid barrier; SET our weights_ready word on every rank; wait for every source's.
+//   3. A warp per arrived token (source rank src, its slot i): sum w * expert_y over the token's live slots whose
+//      expert is here, in slot order, in fp32; store the sum (Partial) into every replica of the token's group, at
+//      combine_partials[this rank][token].
+//   4. The last block SETs partials_ready and the sync flag ("done reading your dispatch buffers": the ids rows
+//      are read in 3) on every rank, and resets the dispatch ready words, read in 1 by every block.
+template <typename In, typename Partial>
+__global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
+  const Sizes& s = ctx.s;
+  int32_t* status = phase_status(ctx, kCombineSend);
+  if (!begin_phase(ctx, kCombineSend, a.status)) return;
+  const int K = s.experts_per_token, T = s.max_tokens, replica = s.rank % s.dp_size;
+  const int lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int gthread = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+
+  // 1. Our own token count is our own ready word (dispatch_send SETs it on every rank, this one included).
+  const auto tokens_of = [&](int src) {
+    const uint64_t ready = *reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src);
+    return min(max(static_cast<int>(ready) - 1, 0), s.slots_per_source);
+  };
+  const int my_tokens = tokens_of(s.rank);
+  for (int i = gwarp; i < my_tokens; i += nwarps) {
+    const float w = lane < K ? a.topk_weights[static_cast<size_t>(replica + i * s.dp_size) * K + lane] : 0.f;
+    const size_t at = (static_cast<size_t>(s.rank) * s.slots_per_source + i) * K + lane;
+    for (int d = 0; d < s.world; ++d)
+      if (lane < K) static_cast<float*>(nvshmem_ptr(ctx.combine_weights, d))[at] = w;
+  }
+  const int entries = s.num_dp * T * K;
+  for (int p = gthread; p < s.capacity; p += nthreads) {
+    const int origin = a.row_origin[p];
+    if (origin >= 0 && origin < entries) ctx.row_of[origin] = p;
+  }
+  __threadfence_system();
+  cg::this_grid().sync();
+
+  // 2. Weights: ours are everywhere; wait for every source's (a thread per source, in every block).
+  if (blockIdx.x == 0 && threadIdx.x < s.world)
+    nvshmemx_signal_op(ctx.weights_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+  if (threadIdx.x < s.world) wait_at_least(ctx.weights_ready + threadIdx.x, 1, s, status, kCombineSend, threadIdx.x);
+  __syncthreads();
+
+  // 3. One partial row per arrived token with a live slot here.
+  const int L = s.local_experts, H = s.hidden;
+  const bool vector_ok = H % kChunk == 0 && (H * sizeof(In)) % 16 == 0;
+  int arrivals = 0;  // numbered source by source
+  for (int src = 0; src < s.world; ++src) arrivals += tokens_of(src);
+  for (int arrival = gwarp; arrival < arrivals; arrival += nwarps) {
+    int src = 0, i = arrival;
+    while (i >= tokens_of(src)) i -= tokens_of(src++);
+    const int g = src / s.dp_size;
+    const size_t slot = static_cast<size_t>(src) * s.slots_per_source + i;
+    const int32_t* ids = ctx.dispatch_ids + slot * K;
+    const int t = src % s.dp_size + i * s.dp_size;
+    int rows[kMaxExpertsPerToken];
+    float weights[kMaxExpertsPerToken];
+    int local = 0, live = 0;  // live slots here; those with a row
+    for (int k = 0; k < K; ++k) {
+      if (ids[k] / L != s.rank || !slot_is_live(ids, k, s.num_experts)) continue;
+      ++local;
+      const int origin = (g * T + t) * K + k;
+      const int row = ctx.row_of[origin];
+      // A live slot without a row (capacity overflow, which dispatch_recv reported, or a handle of another
+      // routing) contributes nothing; the token's partial row is still written (the source adds it).
+      if (row < 0 || row >= s.capacity || a.row_origin[row] != origin) continue;
+      rows[live] = row;
+      weights[live++] = ctx.combine_weights[slot * K + k];
+    }
+    if (local == 0) continue;
+    for (int c0 = lane * kChunk; c0 < H; c0 += 32 * kChunk) {
+      const int cols = min(kChunk, H - c0);
+      float acc[kChunk] = {};
+      for (int j = 0; j < live; ++j)
+        add_chunk(acc, weights[j], static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[j]) * H + c0,
+                  vector_ok, cols);
+      char* dst = ctx.combine_partials + (static_cast<size_t>(s.rank) * T + t) * s.combine_stride;
+      for (int r = 0; r < s.dp_size; ++r)
+        store_chunk(static_cast<Partial*>(nvshmem_ptr(dst, g * s.dp_size + r)) + c0, acc,
+                    vector_ok && (H * sizeof(Partial)) % 16 == 0, cols);
+    }
+  }
+  __threadfence_system();  // this thread's partial rows reach every peer before the signals below
+
+  // 4. Done: partial rows landed, dispatch buffers read.
+  if (finish_phase(ctx, kCombineSend, a.status)) {
+    for (int src = threadIdx.x; src < s.world; src += blockDim.x) ctx.dispatch_ready[src] = 0;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < s.world) {
+      nvshmemx_signal_op(ctx.partials_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+      if (threadIdx.x != s.rank) nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    }
+  }
+}
+
+template <typename In>
+void* reduced_kernel_for(int partial_dtype) {
+  return partial_dtype == 0 ? reinterpret_cast<void*>(combine_send_reduced_kernel<In, __nv_bfloat16>)
+                            : reinterpret_cast<void*>(combine_send_reduced_kernel<In, float>);
+}
+
+void* reduced_kernel_for(int in_dtype, int partial_dtype) {
+  switch (in_dtype) {
+    case 0: return reduced_kernel_for<__nv_bfloat16>(partial_dtype);
+    case 1: return reduced_kernel_for<__half>(partial_dtype);
+    default: return reduced_kernel_for<float>(partial_dtype);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cudaStream_t stream) {
+  if (a.topk_weights != nullptr) {  // pre-reduced: cooperative, at most one block per SM, a warp per token
+    Context c = ctx;
+    CombineSendArgs args = a;
+    void* params[] = {&c, &args};
+    const int blocks = blocks_for(static_cast<long long>(ctx.s.world) * ctx.s.slots_per_source, kThreads / 32,
+                                  ctx.s.sm_count);
+    return cudaLaunchCooperativeKernel(reduced_kernel_for(a.in_dtype, a.partial_dtype), blocks, kThreads, params, 0,
+                                       stream);
+  }
   const int blocks = blocks_for(ctx.s.capacity, kThreads / 32, 8 * ctx.s.sm_count);  // a warp per row
   combine_send_kernel<<<blocks, kThreads, 0, stream>>>(ctx, a);
   return cudaGetLastError();

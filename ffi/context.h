@@ -45,6 +45,7 @@ struct Sizes {
   int sm_count;  // each launch sizes its grid from its work, capped by this
 };
 
+constexpr int kMaxExpertsPerToken = 32;  // jax_moe_comm/nvshmem_backend.py MAX_EXPERTS_PER_TOKEN
 constexpr int kThreads = 256;  // threads per block of every kernel (8 warps)
 
 struct Context {
@@ -59,11 +60,18 @@ struct Context {
   char* combine_slots;        // [max_tokens][K] combine rows arriving here
   uint64_t* combine_arrived;  // [max_tokens] rows landed per token
   uint64_t* sync_flags;       // [world] 1 = that peer finished reading its dispatch buffers
+  // The pre-reduced combine (weights given to combine_send; NVLink path): one row per (token, expert rank).
+  float* combine_weights;     // [world][slots_per_source][K] a source's topk weights of its token i
+  uint64_t* weights_ready;    // [world] 1 once that source's weights landed here
+  char* combine_partials;     // [world][max_tokens] combine rows: rank r's weighted sum of token t's rows on r
+  uint64_t* partials_ready;   // [world] 1 once every partial row from that rank landed here
   // Local only (never addressed by peers).
   int32_t* status_scratch;    // [4 phases][kStatusWords] errors of the running call; the phase's last block
                               // copies them to the call's status output and clears them (no memset per call)
   unsigned* blocks_done;      // [4 phases] blocks of the running call that have finished
   int32_t* next_phase;        // [1] the phase this MoEComm runs next: one round trip at a time, in phase order
+  int32_t* row_of;            // [num_dp][max_tokens][K] packed row of (group, token, slot): row_origin inverted by
+                              // the pre-reduced combine_send (entries are checked against row_origin before use)
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put
   size_t symmetric_bytes;

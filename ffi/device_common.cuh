@@ -153,10 +153,13 @@ struct DispatchRecvArgs {
 };
 struct CombineSendArgs {
   const void* expert_y; int elem_bytes; const int32_t* row_origin; int32_t* status;
+  const float* topk_weights;  // [T, K] this rank's weights: pre-reduce (null: send rows per slot)
+  int in_dtype, partial_dtype;  // dtype codes of expert_y and of the partial rows (pre-reduced only)
 };
 struct CombineRecvArgs {
   const int32_t* topk_ids; const float* topk_weights; const int32_t* num_tokens; void* out;
   int in_dtype, out_dtype; int32_t* status;  // dtype codes: 0 bf16, 1 fp16, 2 fp32
+  bool reduced;  // the rows arrived pre-reduced (one per expert rank, in_dtype the partial dtype)
 };
 
 cudaError_t launch_dispatch_send(const Context& ctx, const DispatchSendArgs& a, cudaStream_t stream);

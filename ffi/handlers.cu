@@ -44,19 +44,23 @@ ffi::Error DispatchRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status
   return launched(launch_dispatch_recv(context_of(context), a, stream), "dispatch_recv");
 }
 
+// topk_weights [T, K] pre-reduces (the NVLink path); an empty array sends the rows per slot.
 ffi::Error CombineSend(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> row_origin,
-                       ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
+                       ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> status,
+                       int64_t context, int64_t partial_dtype) {
   CombineSendArgs a{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
-                    row_origin.typed_data(), status->typed_data()};
+                    row_origin.typed_data(), status->typed_data(),
+                    topk_weights.element_count() ? topk_weights.typed_data() : nullptr,
+                    dtype_code(expert_y.element_type()), static_cast<int>(partial_dtype)};
   return launched(launch_combine_send(context_of(context), a, stream), "combine_send");
 }
 
 ffi::Error CombineRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status*/, ffi::Buffer<ffi::S32> topk_ids,
                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context,
-                       int64_t in_dtype) {
+                       int64_t in_dtype, int64_t reduced) {
   CombineRecvArgs a{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
-                    static_cast<int>(in_dtype), dtype_code(out->element_type()), status->typed_data()};
+                    static_cast<int>(in_dtype), dtype_code(out->element_type()), status->typed_data(), reduced != 0};
   return launched(launch_combine_recv(context_of(context), a, stream), "combine_recv");
 }
 
@@ -89,8 +93,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("context"));
+                                  .Attr<int64_t>("context")
+                                  .Attr<int64_t>("partial_dtype"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                               ffi::Ffi::Bind()
@@ -102,4 +108,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("context")
-                                  .Attr<int64_t>("in_dtype"));
+                                  .Attr<int64_t>("in_dtype")
+                                  .Attr<int64_t>("reduced"));

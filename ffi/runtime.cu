@@ -55,26 +55,34 @@ std::tuple<int, int, int> host_version() {
 
 namespace {
 
-struct Layout {  // byte sizes of each symmetric buffer
+struct Layout {  // byte sizes of each symmetric buffer, in allocation order
   size_t dispatch_staging, dispatch_slots, dispatch_ids, dispatch_ready, combine_staging, combine_slots,
-      combine_words, sync, local;
+      combine_words, sync, combine_weights, weights_ready, combine_partials, partials_ready, row_of, local;
   size_t total() const {
     return dispatch_staging + dispatch_slots + dispatch_ids + dispatch_ready + combine_staging + combine_slots +
-           combine_words + sync + local;
+           combine_words + sync + combine_weights + weights_ready + combine_partials + partials_ready + row_of + local;
   }
 };
 
+size_t round16(size_t n) { return (n + 15) / 16 * 16; }  // every buffer starts 16-byte aligned
+
 Layout layout_of(const Sizes& s) {
   const size_t slots = static_cast<size_t>(s.world) * s.slots_per_source;
+  const size_t world_words = round16(static_cast<size_t>(s.world) * sizeof(uint64_t));
   return Layout{
       static_cast<size_t>(s.max_tokens) * s.token_stride,
       slots * s.token_stride,
-      (slots * s.experts_per_token * sizeof(int32_t) + 15) / 16 * 16,
-      (static_cast<size_t>(s.world) * sizeof(uint64_t) + 15) / 16 * 16,  // later buffers stay 16-byte aligned
+      round16(slots * s.experts_per_token * sizeof(int32_t)),
+      world_words,
       static_cast<size_t>(s.capacity) * s.combine_stride,
       static_cast<size_t>(s.max_tokens) * s.experts_per_token * s.combine_stride,
-      static_cast<size_t>(s.max_tokens) * sizeof(uint64_t),
-      static_cast<size_t>(s.world) * sizeof(uint64_t),
+      round16(static_cast<size_t>(s.max_tokens) * sizeof(uint64_t)),
+      world_words,
+      round16(slots * s.experts_per_token * sizeof(float)),
+      world_words,
+      static_cast<size_t>(s.world) * s.max_tokens * s.combine_stride,
+      world_words,
+      round16(static_cast<size_t>(s.num_dp) * s.max_tokens * s.experts_per_token * sizeof(int32_t)),
       kPhases * kStatusWords * sizeof(int32_t) + kPhases * sizeof(unsigned) + 16,
   };
 }
@@ -111,6 +119,11 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   ctx->combine_slots = take(bytes.combine_slots);
   ctx->combine_arrived = reinterpret_cast<uint64_t*>(take(bytes.combine_words));
   ctx->sync_flags = reinterpret_cast<uint64_t*>(take(bytes.sync));
+  ctx->combine_weights = reinterpret_cast<float*>(take(bytes.combine_weights));
+  ctx->weights_ready = reinterpret_cast<uint64_t*>(take(bytes.weights_ready));
+  ctx->combine_partials = take(bytes.combine_partials);
+  ctx->partials_ready = reinterpret_cast<uint64_t*>(take(bytes.partials_ready));
+  ctx->row_of = reinterpret_cast<int32_t*>(take(bytes.row_of));
   ctx->status_scratch = reinterpret_cast<int32_t*>(take(bytes.local));
   ctx->blocks_done = reinterpret_cast<unsigned*>(ctx->status_scratch + kPhases * kStatusWords);
   ctx->next_phase = reinterpret_cast<int32_t*>(ctx->blocks_done + kPhases);

@@ -186,15 +186,23 @@ class MoEComm:
         return self._impl.dispatch_recv(self._plan, self._impl.dispatch_send(self._plan, x, topk_ids, scales,
                                                                              num_tokens))
 
-    def combine_send(self, expert_y: Array, handle: CombineHandle):
+    def combine_send(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None):
         """Starts sending expert outputs [capacity, H] back to their tokens' ranks (bf16/fp16/fp32, no wider
-        than out_dtype)."""
+        than out_dtype). The weights [max_tokens, K] go either here or to combine_recv; given here, the NVSHMEM
+        backend sums each token's rows on the expert side and sends one row per (token, expert rank) instead of
+        one per slot (bf16 rows for a bf16 output: within its rounding of the per-slot sum)."""
         self._check_combine_args(expert_y, handle)
-        return self._impl.combine_send(self._plan, expert_y, handle)
+        if topk_weights is not None:
+            self._check_weights(topk_weights)
+        return self._impl.combine_send(self._plan, expert_y, handle, topk_weights)
 
-    def combine_recv(self, pending, topk_weights: Array) -> Array:
-        """Waits for the expert rows and returns y [max_tokens, H] out_dtype, y[i] = sum_k w[i,k] row(i,k)."""
-        self._check_weights(topk_weights)
+    def combine_recv(self, pending, topk_weights: Array | None = None) -> Array:
+        """Waits for the expert rows and returns y [max_tokens, H] out_dtype, y[i] = sum_k w[i,k] row(i,k).
+        topk_weights: here exactly when combine_send did not get them."""
+        if topk_weights is not None:
+            self._check_weights(topk_weights)
+        if (topk_weights is None) == (getattr(pending, "topk_weights", None) is None):
+            raise ValueError("topk_weights must be given to exactly one of combine_send and combine_recv")
         return self._impl.combine_recv(self._plan, pending, topk_weights)
 
     def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:
@@ -206,7 +214,10 @@ class MoEComm:
         return self._combine_primal(expert_y, handle, topk_weights)
 
     def _combine_primal(self, expert_y, handle, topk_weights) -> Array:
-        return self._impl.combine_recv(self._plan, self._impl.combine_send(self._plan, expert_y, handle), topk_weights)
+        # The weights go with the send: on the NVLink path the expert side then pre-reduces (one row per token
+        # and expert rank travels back instead of one per slot).
+        pending = self._impl.combine_send(self._plan, expert_y, handle, topk_weights)
+        return self._impl.combine_recv(self._plan, pending, None)
 
 
 # Global view --------------------------------------------------------------------------------------------

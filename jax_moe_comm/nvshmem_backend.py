@@ -65,10 +65,12 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132)
 def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
     """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (the layout of ffi/runtime.cu)."""
     s = kernel_sizes(cfg, world, 0)
-    slots = world * s["slots_per_source"]
-    return (s["max_tokens"] * s["token_stride"] + slots * s["token_stride"]
-            + _round16(slots * s["experts_per_token"] * 4) + _round16(world * 8) + s["capacity"] * s["combine_stride"]
-            + s["max_tokens"] * s["experts_per_token"] * s["combine_stride"] + s["max_tokens"] * 8 + world * 8
+    slots, T, K = world * s["slots_per_source"], s["max_tokens"], s["experts_per_token"]
+    world_words = _round16(world * 8)
+    return (T * s["token_stride"] + slots * s["token_stride"] + _round16(slots * K * 4) + world_words  # dispatch
+            + (s["capacity"] + T * K) * s["combine_stride"] + _round16(T * 8) + world_words  # combine
+            + _round16(slots * K * 4) + world_words + world * T * s["combine_stride"] + world_words  # pre-reduced
+            + _round16(s["num_dp"] * T * K * 4)  # row_of
             + 4 * 4 * 4 + 4 * 4 + 16)  # per phase: status scratch, finished-block counter; the next phase
 
 
@@ -78,6 +80,7 @@ class Plan:
 
     geo: Geometry
     ctx: int
+    p2p: bool  # stores reach every peer (NVLink): the fused combine pre-reduces on the expert side
 
 
 def create_plan(geo: Geometry, mesh) -> Plan:
@@ -97,7 +100,8 @@ def create_plan(geo: Geometry, mesh) -> Plan:
                          "build the mesh from jax.devices()")
     _register_targets()
     sizes = kernel_sizes(cfg, geo.world, rt.rank, _native.ext.sm_count())
-    return Plan(geo, _native.ext.create_context(sizes))
+    ctx = _native.ext.create_context(sizes)
+    return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)))
 
 
 def destroy_plan(plan: Plan) -> None:
@@ -113,7 +117,7 @@ class PendingDispatch:
     num_tokens: Array
 
 
-@pytree_dataclass(static=("in_dtype",))
+@pytree_dataclass(static=("in_dtype", "reduced"))
 class PendingCombine:
     """combine_send's status (orders combine_recv after it), dispatch's recorded errors, and the routing."""
 
@@ -121,7 +125,9 @@ class PendingCombine:
     dispatch_status: Array
     topk_ids: Array
     num_tokens: Array
-    in_dtype: int  # static: dtype code of expert_y rows in flight
+    topk_weights: Array | None  # given to combine_send (else to combine_recv)
+    in_dtype: int  # static: dtype code of the rows in flight
+    reduced: bool  # static: one pre-reduced row per (token, expert rank) instead of one per slot
 
 
 _STATUS = jax.ShapeDtypeStruct((errors.STATUS_WORDS,), jnp.int32)
@@ -171,17 +177,27 @@ def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
     return Dispatched(expert_x, expert_scales if cfg.is_fp8 else None, group_sizes, handle)
 
 
-def combine_send(plan: Plan, expert_y: Array, handle: CombineHandle) -> PendingCombine:
-    status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin)
-    return PendingCombine(status, handle.status, handle.topk_ids, handle.num_tokens,
-                          _DTYPE_CODE[np.dtype(expert_y.dtype)])
-
-
-def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array) -> Array:
+def combine_send(plan: Plan, expert_y: Array, handle: CombineHandle,
+                 topk_weights: Array | None = None) -> PendingCombine:
+    """With topk_weights on the NVLink path the expert side pre-reduces: one row per (token, expert rank), the
+    weighted sum of the token's rows there (bf16 for a bf16 output, else fp32), instead of one row per slot."""
     cfg = plan.geo.cfg
+    reduced = topk_weights is not None and plan.p2p
+    partial = jnp.bfloat16 if np.dtype(cfg.out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
+    weights = topk_weights.astype(jnp.float32) if reduced else jnp.zeros((0,), jnp.float32)
+    status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin, weights,
+                   partial_dtype=np.int64(_DTYPE_CODE[np.dtype(partial)]))
+    return PendingCombine(status, handle.status, handle.topk_ids, handle.num_tokens, topk_weights,
+                          _DTYPE_CODE[np.dtype(partial if reduced else expert_y.dtype)], reduced)
+
+
+def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array | None) -> Array:
+    """topk_weights may be None when combine_send had them."""
+    cfg = plan.geo.cfg
+    weights = q.topk_weights if topk_weights is None else topk_weights
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS)
-    y, status = _call("combine_recv", results, plan, q.status, q.topk_ids, topk_weights, q.num_tokens,
-                      in_dtype=np.int64(q.in_dtype))
+    y, status = _call("combine_recv", results, plan, q.status, q.topk_ids, weights.astype(jnp.float32), q.num_tokens,
+                      in_dtype=np.int64(q.in_dtype), reduced=np.int64(q.reduced))
     if plan.geo.check_errors:
         errors.check(errors.first_failure(q.dispatch_status, q.status, status), _rank(plan), after=status)
     return y

@@ -46,6 +46,7 @@ class PendingCombine:
     topk_ids: Array
     num_tokens: Array
     status: Array
+    topk_weights: Array | None  # given to combine_send (else to combine_recv)
 
 
 def _first_true(mask: Array, values: Array) -> tuple[Array, Array]:
@@ -145,8 +146,10 @@ def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
     return Dispatched(expert_x=expert_x, expert_scales=expert_scales, group_sizes=group_sizes, handle=handle)
 
 
-def combine_send(geo: Geometry, expert_y: Array, handle: CombineHandle) -> PendingCombine:
-    """Sends each valid expert row to every replica of its source DP group, tagged with its (token, slot)."""
+def combine_send(geo: Geometry, expert_y: Array, handle: CombineHandle,
+                 topk_weights: Array | None = None) -> PendingCombine:
+    """Sends each valid expert row to every replica of its source DP group, tagged with its (token, slot). The
+    weights, if given here, are kept for combine_recv (the kernels' pre-reduction is a speed matter only)."""
     T, K = geo.T, geo.K
     origin = handle.row_origin
     has_token = origin >= 0
@@ -167,12 +170,15 @@ def combine_send(geo: Geometry, expert_y: Array, handle: CombineHandle) -> Pendi
         topk_ids=handle.topk_ids,
         num_tokens=handle.num_tokens,
         status=handle.status,
+        topk_weights=topk_weights,
     )
 
 
-def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array) -> Array:
-    """y[i] = sum_k w[i, k] * row(i, k) in fp32, k in order; slots with id -1 and rows >= num_tokens give 0."""
+def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array | None) -> Array:
+    """y[i] = sum_k w[i, k] * row(i, k) in fp32, k in order; slots with id -1 and rows >= num_tokens give 0.
+    topk_weights may be None when combine_send had them."""
     T, K = geo.T, geo.K
+    topk_weights = q.topk_weights if topk_weights is None else topk_weights
     slot = q.recv_slot.reshape(-1)
     slot = jnp.where(slot >= 0, slot, T * K)  # -1 would wrap around; send it out of range instead
     rows = q.recv_y.reshape((-1,) + q.recv_y.shape[2:]).astype(jnp.float32)

@@ -285,7 +285,7 @@ def test_handle_must_be_a_combine_handle(comm, method):
         getattr(comm, method)(*args)
 
 
-@pytest.mark.parametrize("method", ["combine", "combine_recv"])
+@pytest.mark.parametrize("method", ["combine", "combine_send", "combine_recv"])
 @pytest.mark.parametrize(("weights", "message"), [
     (jnp.zeros((T, K + 1), jnp.float32), r"^topk_weights must have shape \(4, 2\) \(per shard\), got \(4, 3\)"),
     (jnp.zeros((T, K), jnp.bfloat16), r"^topk_weights must have dtype float32, got bfloat16"),
@@ -293,8 +293,8 @@ def test_handle_must_be_a_combine_handle(comm, method):
 ])
 def test_topk_weights_shape_and_dtype(comm, method, weights, message):
     """topk_weights: float32 [max_tokens, K], checked before anything is sent."""
-    first = jnp.zeros((comm.capacity, H), jnp.bfloat16) if method == "combine" else None
-    args = (first, _handle(comm), weights) if method == "combine" else (None, weights)
+    expert_y = jnp.zeros((comm.capacity, H), jnp.bfloat16)
+    args = (None, weights) if method == "combine_recv" else (expert_y, _handle(comm), weights)
     with pytest.raises(ValueError, match=message):
         getattr(comm, method)(*args)
 

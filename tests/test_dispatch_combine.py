@@ -114,10 +114,13 @@ def fused_fn(case: Case):
 
 
 @functools.cache
-def split_fn(case: Case):
-    """Same as fused_fn through dispatch_send/dispatch_recv/combine_send/combine_recv."""
+def split_fn(case: Case, weights_at: str = "recv"):
+    """Same as fused_fn through dispatch_send/dispatch_recv/combine_send/combine_recv, the weights given to
+    combine_recv or (weights_at="send") to combine_send."""
     def per_shard(comm, x, ids, scales, n, expert_y, w):
         d = comm.dispatch_recv(comm.dispatch_send(x, ids, scales, n.reshape(())))
+        if weights_at == "send":
+            return d, comm.combine_recv(comm.combine_send(expert_y, d.handle, w))
         return d, comm.combine_recv(comm.combine_send(expert_y, d.handle), w)
     return _shard_mapped(case, per_shard)
 
@@ -288,9 +291,33 @@ def test_split_halves_equal_fused_calls_bit_for_bit(case, rng, seed, routing):
     """dispatch_send/dispatch_recv and combine_send/combine_recv give exactly the fused results."""
     problem = make_problem(rng, seed, case, draw_routing(routing, case, "dropped_slots"))
     args, fused = run_and_check(fused_fn(case), problem, rng, comm_for(case).capacity)
-    split = split_fn(case)(*args)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(fused), jax.tree.leaves(split), strict=True):
-        assert_bits_equal(b, a, f"split vs fused {jax.tree_util.keystr(path)}", seed)
+    for weights_at in ("recv", "send"):
+        split = split_fn(case, weights_at)(*args)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(fused), jax.tree.leaves(split), strict=True):
+            assert_bits_equal(b, a, f"split (weights to combine_{weights_at}) vs fused {jax.tree_util.keystr(path)}",
+                              seed)
+
+
+def test_weights_go_to_exactly_one_combine_half():
+    """combine_recv refuses the weights when combine_send had them, and needs them when it did not."""
+    case = CASES[0]
+    comm = comm_for(case)
+    cfg = comm.cfg
+    T, K, H = cfg.max_tokens, cfg.experts_per_token, cfg.hidden
+    w = jnp.ones((T, K), jnp.float32)
+
+    def per_shard(weights_at_send, weights_at_recv):
+        def f(x, ids):
+            d = comm.dispatch(x, ids)
+            q = comm.combine_send(d.expert_x.astype(cfg.out_dtype), d.handle, weights_at_send)
+            return comm.combine_recv(q, weights_at_recv)
+        return jax.shard_map(f, mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep"))
+
+    x = jnp.zeros((comm.world * T, H), cfg.dtype)
+    ids = jnp.zeros((comm.world * T, K), jnp.int32) - 1
+    for at_send, at_recv in ((w, w), (None, None)):
+        with pytest.raises(ValueError, match="topk_weights must be given to exactly one of combine_send and"):
+            jax.eval_shape(per_shard(at_send, at_recv), x, ids)
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
