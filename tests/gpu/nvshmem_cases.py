@@ -422,6 +422,42 @@ def case_bad_ids(mesh, seed):
         comm.close()
 
 
+def case_deferred_errors(mesh, seed):
+    """check_errors="deferred": the failing call (a bad id on every rank) completes without a host callback; the
+    next call refuses to run, at once, saying an earlier call failed; check() raises the description and clears it;
+    then the MoEComm works again."""
+    world = mesh.shape["ep"]
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem", check_errors="deferred")
+    good = np.tile(np.array([[0, 5]], np.int32), (world * 16, 1))
+    bad = good.copy()
+    bad[3::16, 1] = 99  # token 3 of every rank
+    x = to_global(mesh, np.ones((world * 16, 64), np.float32))
+    w = to_global(mesh, np.ones((world * 16, 2), np.float32))
+
+    @jax.jit
+    def f(x, i, w):
+        d = jmc.dispatch(comm, x, i)
+        return jmc.combine(comm, d.expert_x, d.handle, w)
+
+    try:
+        f(x, to_global(mesh, bad), w).block_until_ready()  # no callback: nothing raised here
+        refused = raises_promptly(lambda: f(x, to_global(mesh, good), w), "an earlier call on this MoEComm failed",
+                                  "the call after a failed one")
+        try:
+            comm.check()
+        except jmc.MoECommError as exc:
+            assert "expert id 99 of token 3 is outside [-1, num_experts)" in str(exc), str(exc)
+        else:
+            raise AssertionError("check() raised nothing")
+        comm.check()  # cleared
+        y = gather(f(x, to_global(mesh, good), w))
+        assert np.allclose(y, 2.0), "the MoEComm does not work after check()"
+        return refused
+    finally:
+        comm.close()
+
+
 def case_timeout(mesh, seed):
     """Rank 1 skips a call: rank 0's round trip fails after the timeout naming the phase and the peer."""
     os.environ["JAX_MOE_COMM_TIMEOUT_S"] = "3"  # read when the MoEComm is created
@@ -494,6 +530,7 @@ def main() -> int:
         ("grad: fp8 dispatch, bf16 gradients", lambda s: case_grad_fp8(mesh, s)),
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
         ("bad expert id", lambda s: case_bad_ids(mesh, s)),
+        ("deferred error checks", lambda s: case_deferred_errors(mesh, s)),
         ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: leaves the protocol broken
     ]
     passed = failed = 0
