@@ -12,6 +12,8 @@ namespace {
 
 namespace cg = cooperative_groups;
 
+constexpr int kSegChunks = 4;  // pre-reduced rows: chunks per lane of one warp's work item (1024 bf16 columns)
+
 __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
   const Sizes& s = ctx.s;
   if (!begin_phase(ctx, kCombineSend, a.status)) return;
@@ -102,13 +104,19 @@ __global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
   if (threadIdx.x < s.world) wait_at_least(ctx.weights_ready + threadIdx.x, 1, s, status, kCombineSend, threadIdx.x);
   __syncthreads();
 
-  // 3. One partial row per arrived token with a live slot here.
+  // 3. One partial row per arrived token with a live slot here. A warp takes one segment of kSegChunks chunks per
+  //    lane of the row (lanes interleaved: coalesced), so a token's columns spread over many warps and each lane
+  //    has its loads in flight together: a warp per token walked the 7168 columns of R1 one load at a time.
   const int L = s.local_experts, H = s.hidden;
   const bool vector_ok = H % kChunk == 0 && (H * sizeof(In)) % 16 == 0;
+  const bool vector_out = vector_ok && (H * sizeof(Partial)) % 16 == 0;
+  const int seg_cols = 32 * kChunk * kSegChunks;
+  const int segments = (H + seg_cols - 1) / seg_cols;
   int arrivals = 0;  // numbered source by source
   for (int src = 0; src < s.world; ++src) arrivals += tokens_of(src);
-  for (int arrival = gwarp; arrival < arrivals; arrival += nwarps) {
-    int src = 0, i = arrival;
+  for (int item = gwarp; item < arrivals * segments; item += nwarps) {
+    int src = 0, i = item / segments;
+    const int seg = item % segments;
     while (i >= tokens_of(src)) i -= tokens_of(src++);
     const int g = src / s.dp_size;
     const size_t slot = static_cast<size_t>(src) * s.slots_per_source + i;
@@ -129,16 +137,31 @@ __global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
       weights[live++] = ctx.combine_weights[slot * K + k];
     }
     if (local == 0) continue;
-    for (int c0 = lane * kChunk; c0 < H; c0 += 32 * kChunk) {
-      const int cols = min(kChunk, H - c0);
-      float acc[kChunk] = {};
-      for (int j = 0; j < live; ++j)
-        add_chunk(acc, weights[j], static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[j]) * H + c0,
-                  vector_ok, cols);
-      char* dst = ctx.combine_partials + (static_cast<size_t>(s.rank) * T + t) * s.combine_stride;
-      for (int r = 0; r < s.dp_size; ++r)
-        store_chunk(static_cast<Partial*>(nvshmem_ptr(dst, g * s.dp_size + r)) + c0, acc,
-                    vector_ok && (H * sizeof(Partial)) % 16 == 0, cols);
+    const auto col_of = [&](int u) { return seg * seg_cols + (u * 32 + lane) * kChunk; };
+    float acc[kSegChunks][kChunk] = {};
+    for (int j = 0; j < live; ++j) {  // slots in order, like the reference
+      const In* row = static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[j]) * H;
+      if (vector_ok) {
+        Chunk<In> v[kSegChunks];
+#pragma unroll
+        for (int u = 0; u < kSegChunks; ++u)
+          if (col_of(u) < H) v[u] = *reinterpret_cast<const Chunk<In>*>(row + col_of(u));
+#pragma unroll
+        for (int u = 0; u < kSegChunks; ++u)
+          if (col_of(u) < H)
+#pragma unroll
+            for (int c = 0; c < kChunk; ++c) acc[u][c] += weights[j] * to_float(v[u].v[c]);
+      } else {
+        for (int u = 0; u < kSegChunks; ++u)
+          if (col_of(u) < H) add_chunk(acc[u], weights[j], row + col_of(u), false, min(kChunk, H - col_of(u)));
+      }
+    }
+    char* dst = ctx.combine_partials + (static_cast<size_t>(s.rank) * T + t) * s.combine_stride;
+    for (int r = 0; r < s.dp_size; ++r) {
+      Partial* out = static_cast<Partial*>(nvshmem_ptr(dst, g * s.dp_size + r));
+#pragma unroll
+      for (int u = 0; u < kSegChunks; ++u)
+        if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));
     }
   }
   __threadfence_system();  // this thread's partial rows reach every peer before the signals below
@@ -157,8 +180,11 @@ __global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
 
 template <typename In>
 void* reduced_kernel_for(int partial_dtype) {
-  return partial_dtype == 0 ? reinterpret_cast<void*>(combine_send_reduced_kernel<In, __nv_bfloat16>)
-                            : reinterpret_cast<void*>(combine_send_reduced_kernel<In, float>);
+  switch (partial_dtype) {
+    case 0: return reinterpret_cast<void*>(combine_send_reduced_kernel<In, __nv_bfloat16>);
+    case 1: return reinterpret_cast<void*>(combine_send_reduced_kernel<In, __half>);
+    default: return reinterpret_cast<void*>(combine_send_reduced_kernel<In, float>);
+  }
 }
 
 void* reduced_kernel_for(int in_dtype, int partial_dtype) {
@@ -176,8 +202,9 @@ cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cu
     Context c = ctx;
     CombineSendArgs args = a;
     void* params[] = {&c, &args};
-    const int blocks = blocks_for(static_cast<long long>(ctx.s.world) * ctx.s.slots_per_source, kThreads / 32,
-                                  ctx.s.sm_count);
+    const int segments = (ctx.s.hidden + 32 * kChunk * kSegChunks - 1) / (32 * kChunk * kSegChunks);
+    const int blocks = blocks_for(static_cast<long long>(ctx.s.world) * ctx.s.slots_per_source * segments,
+                                  kThreads / 32, ctx.s.sm_count);
     return cudaLaunchCooperativeKernel(reduced_kernel_for(a.in_dtype, a.partial_dtype), blocks, kThreads, params, 0,
                                        stream);
   }

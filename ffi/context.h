@@ -40,7 +40,7 @@ struct Sizes {
   int scale_cols;      // hidden / scale_block for fp8, else 0
   int token_stride;    // bytes of one staged token: payload | fp32 scales | int32 token | int32 ids[K], 16-aligned
   int slots_per_source;// ceil(max_tokens / dp_size): the tokens one replica sends (token i of it in slot i)
-  int combine_stride;  // bytes of one combine row (hidden * 4, the widest expert_y dtype), 16-aligned
+  int combine_stride;  // bytes of one combine row (hidden * the out dtype's bytes: slot and partial rows), 16-aligned
   int64_t timeout_ns;
   int sm_count;  // each launch sizes its grid from its work, capped by this
   int deferred_errors;  // 1: every handler refuses to run once a call has failed (check_errors="deferred")

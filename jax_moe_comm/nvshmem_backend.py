@@ -188,10 +188,11 @@ def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
 def combine_send(plan: Plan, expert_y: Array, handle: CombineHandle,
                  topk_weights: Array | None = None) -> PendingCombine:
     """With topk_weights on the NVLink path the expert side pre-reduces: one row per (token, expert rank), the
-    weighted sum of the token's rows there (bf16 for a bf16 output, else fp32), instead of one row per slot."""
+    weighted sum of the token's rows there, in the output dtype (a row of combine_stride bytes), instead of one row
+    per slot."""
     cfg = plan.geo.cfg
     reduced = topk_weights is not None and plan.p2p
-    partial = jnp.bfloat16 if np.dtype(cfg.out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
+    partial = cfg.out_dtype
     weights = topk_weights.astype(jnp.float32) if reduced else jnp.zeros((0,), jnp.float32)
     status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin, weights,
                    partial_dtype=np.int64(_DTYPE_CODE[np.dtype(partial)]))

@@ -8,7 +8,8 @@
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
-#   SANITIZE="case|case"        those cases under compute-sanitizer memcheck, NVLink path then staged path
+#   SANITIZE="case|case"        start-up alone, then those cases, under compute-sanitizer memcheck (NVLink path, then
+#                               staged path; SANITIZE_STAGED="0" the first alone; SANITIZE_BOOTSTRAP=extension)
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
@@ -108,8 +109,21 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
   done
 fi
 if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not leave GPU memory taken for later steps
-  for staged in 0 1; do  # the NVLink store path, then the staged put path
-    step "compute-sanitizer memcheck: $SANITIZE (JAX_MOE_COMM_STAGED=$staged)"
+  # Start-up alone under the sanitizer (NVSHMEM init through each bootstrap, no kernel of ours): tells a crash in
+  # start-up from one in the cases.
+  for boot in nvshmem4py extension; do
+    step "compute-sanitizer memcheck: start-up only (JAX_MOE_COMM_BOOTSTRAP=$boot)"
+    JAX_MOE_COMM_BOOTSTRAP=$boot NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
+      python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/under_sanitizer.py tests/gpu/bootstrap_probe.py \
+      > "$LOGS/sanitizer_startup_$boot.log" 2>&1
+    rc=$?
+    grep -E "NVSHMEM up|ERROR SUMMARY|killed by" "$LOGS/sanitizer_startup_$boot.log" | tee -a "$OUT/summary.txt"
+    step "sanitizer (start-up, $boot) exit code $rc"
+  done
+  # SANITIZE_BOOTSTRAP=extension: the cases with the extension's own NVSHMEM init (no nvshmem4py / cuda-python).
+  export JAX_MOE_COMM_BOOTSTRAP=${SANITIZE_BOOTSTRAP:-nvshmem4py}
+  for staged in ${SANITIZE_STAGED:-0 1}; do  # the NVLink store path, then the staged put path
+    step "compute-sanitizer memcheck: $SANITIZE (JAX_MOE_COMM_STAGED=$staged, bootstrap $JAX_MOE_COMM_BOOTSTRAP)"
     log="$LOGS/sanitizer_staged$staged.log"
     if [ $staged = 1 ]; then export JAX_MOE_COMM_STAGED=1; else unset JAX_MOE_COMM_STAGED; fi
     # One sanitizer per worker (not around the launcher), memory allocated on demand (no 50% preallocation), and
@@ -126,6 +140,6 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
     grep -v -E "=========|^\[rank 1\]" "$log" | tail -12 | tee -a "$OUT/summary.txt"  # how it ended
     step "sanitizer exit code $rc"
   done
-  unset JAX_MOE_COMM_STAGED
+  unset JAX_MOE_COMM_STAGED JAX_MOE_COMM_BOOTSTRAP
 fi
 step "done"
