@@ -8,8 +8,9 @@
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
-#   SANITIZE="case|case"        start-up alone, then those cases, under compute-sanitizer memcheck (NVLink path, then
-#                               staged path; SANITIZE_STAGED="0" the first alone; SANITIZE_BOOTSTRAP=extension)
+#   SANITIZE="case|case"        those cases under compute-sanitizer memcheck (NVLink path, then
+#                               staged path; SANITIZE_STAGED="0" the first alone; SANITIZE_BOOTSTRAP=extension;
+#                               SANITIZE_STARTUP=1 start-up alone first; SANITIZE_XLA_FLAGS for XLA under it)
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
@@ -109,9 +110,9 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
   done
 fi
 if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not leave GPU memory taken for later steps
-  # Start-up alone under the sanitizer (NVSHMEM init through each bootstrap, no kernel of ours): tells a crash in
-  # start-up from one in the cases.
-  for boot in nvshmem4py extension; do
+  # SANITIZE_STARTUP=1: start-up alone under the sanitizer first (NVSHMEM init through each bootstrap, no kernel of
+  # ours), to tell a crash in start-up from one in the cases.
+  for boot in ${SANITIZE_STARTUP:+nvshmem4py extension}; do
     step "compute-sanitizer memcheck: start-up only (JAX_MOE_COMM_BOOTSTRAP=$boot)"
     JAX_MOE_COMM_BOOTSTRAP=$boot NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
       python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/under_sanitizer.py tests/gpu/bootstrap_probe.py \
@@ -129,6 +130,9 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
     # One sanitizer per worker (not around the launcher), memory allocated on demand (no 50% preallocation), and
     # NVSHMEM without its NCCL teams: NCCL's communicator init crashed (SIGSEGV) under memcheck before any kernel of
     # ours ran (we use no NVSHMEM collective but barrier_all).
+    # XLA without autotuning and without its own CUDA graphs (SANITIZE_XLA_FLAGS): both launch work of XLA's under
+    # the sanitizer that is not ours (cudaFuncGetAttributes on kernels without an sm_90 image was reported there).
+    XLA_FLAGS="${XLA_FLAGS:-} ${SANITIZE_XLA_FLAGS---xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=}" \
     PYTHONFAULTHANDLER=1 NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m jax_moe_comm.launch -n 2 -- \
       tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$log" 2>&1
     rc=$?
