@@ -86,9 +86,6 @@ def markdown_table(record: dict) -> str:
     if record.get("check_errors") is False:
         header += (" MoEComm backends timed with `check_errors=False` (`--no-check`): the per-round-trip error "
                    "callback, a host synchronisation, is left out.")
-    elif record.get("check_errors") == "deferred":
-        header += (" MoEComm backends timed with `check_errors=\"deferred\"` (`--deferred-check`): errors kept on the "
-                   "device for the next call, no per-round-trip callback.")
     if record.get("note"):
         header += f" Note: {record['note']}"
     text = [header, "", *lines]

@@ -1,6 +1,5 @@
 // nanobind module jax_moe_comm._nvshmem_ext: the host API of runtime.h and the FFI handler capsules.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/array.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
@@ -29,7 +28,7 @@ jmc::Sizes sizes_from(const std::map<std::string, int64_t>& d) {
   JMC_FIELD(max_tokens); JMC_FIELD(experts_per_token); JMC_FIELD(hidden); JMC_FIELD(num_experts);
   JMC_FIELD(local_experts); JMC_FIELD(capacity); JMC_FIELD(align); JMC_FIELD(payload_bytes);
   JMC_FIELD(scale_cols); JMC_FIELD(token_stride); JMC_FIELD(slots_per_source); JMC_FIELD(combine_stride);
-  JMC_FIELD(sm_count); JMC_FIELD(deferred_errors);
+  JMC_FIELD(sm_count);
 #undef JMC_FIELD
   s.timeout_ns = d.at("timeout_ns");
   return s;
@@ -74,8 +73,6 @@ NB_MODULE(_nvshmem_ext, m) {
         "Collective: free a context's symmetric buffers.");
   m.def("context_p2p", [](intptr_t ctx) { return reinterpret_cast<jmc::Context*>(ctx)->p2p; },
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
-  m.def("take_first_error", [](intptr_t ctx) { return jmc::take_first_error(reinterpret_cast<jmc::Context*>(ctx)); },
-        "(code, phase, detail_a, detail_b) of the context's first failed call since the last take, cleared.");
   m.def("handlers", [] {
     return std::map<std::string, nb::capsule>{
         {"dispatch_send", nb::capsule(reinterpret_cast<void*>(jmc_dispatch_send))},

@@ -43,7 +43,6 @@ struct Sizes {
   int combine_stride;  // bytes of one combine row (hidden * the out dtype's bytes: slot and partial rows), 16-aligned
   int64_t timeout_ns;
   int sm_count;  // each launch sizes its grid from its work, capped by this
-  int deferred_errors;  // 1: every handler refuses to run once a call has failed (check_errors="deferred")
 };
 
 constexpr int kMaxExpertsPerToken = 32;  // jax_moe_comm/nvshmem_backend.py MAX_EXPERTS_PER_TOKEN
@@ -73,9 +72,6 @@ struct Context {
   int32_t* next_phase;        // [1] the phase this MoEComm runs next: one round trip at a time, in phase order
   int32_t* row_of;            // [num_dp][max_tokens][K] packed row of (group, token, slot): row_origin inverted by
                               // the pre-reduced combine_send (entries are checked against row_origin before use)
-  int32_t* first_error;       // [kStatusWords] mapped pinned host memory (device address): the first failed
-                              // call's status, kept until read (deferred error checks)
-  int32_t* first_error_host;  // the same words, host address
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put
   size_t symmetric_bytes;

@@ -114,14 +114,6 @@ __device__ inline int32_t* phase_status(const Context& ctx, Phase phase) {
 __device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* out, bool ran = true) {
   if (!last_block_done(ctx.blocks_done + phase)) return false;
   volatile int32_t* scratch = phase_status(ctx, phase);
-  volatile int32_t* first = ctx.first_error;  // kernels of one MoEComm run one at a time: no race on it
-  if (threadIdx.x == 0 && scratch[0] != 0 && first[0] == 0) {
-    // The first failure of this MoEComm, for the host (deferred checks): details, then the code.
-    for (int i = 1; i < kStatusWords; ++i) first[i] = scratch[i];
-    __threadfence_system();
-    first[0] = scratch[0];
-    __threadfence_system();
-  }
   if (threadIdx.x < kStatusWords) {
     out[threadIdx.x] = scratch[threadIdx.x];
     scratch[threadIdx.x] = 0;

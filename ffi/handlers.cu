@@ -19,18 +19,6 @@ ffi::Error launched(cudaError_t err, const char* phase) {
                               cudaGetErrorString(err));
 }
 
-// With deferred error checks (check_errors="deferred"), no phase runs once a call of this MoEComm has failed: the
-// failure surfaces here, at the next call's execution, with the words that comm.check() turns into the message.
-ffi::Error earlier_failure(const Context& ctx, const char* phase) {
-  if (!ctx.s.deferred_errors) return ffi::Error::Success();
-  const volatile int32_t* first = ctx.first_error_host;
-  if (first[0] == 0) return ffi::Error::Success();
-  return ffi::Error::Internal(
-      std::string("jax_moe_comm: an earlier call on this MoEComm failed on rank ") + std::to_string(ctx.s.rank) +
-      " (status " + std::to_string(first[0]) + ", " + std::to_string(first[1]) + ", " + std::to_string(first[2]) +
-      ", " + std::to_string(first[3]) + "); " + phase + " refused to run. comm.check() raises it with its description");
-}
-
 int dtype_code(ffi::DataType t) {  // shared with combine_recv.cu
   switch (t) {
     case ffi::DataType::BF16: return 0;
@@ -42,7 +30,6 @@ int dtype_code(ffi::DataType t) {  // shared with combine_recv.cu
 ffi::Error DispatchSend(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
                         ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::S32> num_tokens,
                         ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
-  if (ffi::Error e = earlier_failure(context_of(context), "dispatch_send"); e.failure()) return e;
   DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                      status->typed_data()};
   return launched(launch_dispatch_send(context_of(context), a, stream), "dispatch_send");
@@ -52,7 +39,6 @@ ffi::Error DispatchRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status
                         ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,
                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes, ffi::Result<ffi::Buffer<ffi::S32>> row_origin,
                         ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
-  if (ffi::Error e = earlier_failure(context_of(context), "dispatch_recv"); e.failure()) return e;
   DispatchRecvArgs a{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
                      row_origin->typed_data(), status->typed_data()};
   return launched(launch_dispatch_recv(context_of(context), a, stream), "dispatch_recv");
@@ -62,7 +48,6 @@ ffi::Error DispatchRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status
 ffi::Error CombineSend(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> row_origin,
                        ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> status,
                        int64_t context, int64_t partial_dtype) {
-  if (ffi::Error e = earlier_failure(context_of(context), "combine_send"); e.failure()) return e;
   CombineSendArgs a{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
                     row_origin.typed_data(), status->typed_data(),
                     topk_weights.element_count() ? topk_weights.typed_data() : nullptr,
@@ -74,7 +59,6 @@ ffi::Error CombineRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status*
                        ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context,
                        int64_t in_dtype, int64_t reduced) {
-  if (ffi::Error e = earlier_failure(context_of(context), "combine_recv"); e.failure()) return e;
   CombineRecvArgs a{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
                     static_cast<int>(in_dtype), dtype_code(out->element_type()), status->typed_data(), reduced != 0};
   return launched(launch_combine_recv(context_of(context), a, stream), "combine_recv");

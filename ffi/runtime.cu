@@ -4,7 +4,6 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -128,17 +127,6 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   ctx->status_scratch = reinterpret_cast<int32_t*>(take(bytes.local));
   ctx->blocks_done = reinterpret_cast<unsigned*>(ctx->status_scratch + kPhases * kStatusWords);
   ctx->next_phase = reinterpret_cast<int32_t*>(ctx->blocks_done + kPhases);
-  void* first_error = nullptr;
-  if (cudaHostAlloc(&first_error, kStatusWords * sizeof(int32_t), cudaHostAllocMapped) != cudaSuccess ||
-      cudaHostGetDevicePointer(reinterpret_cast<void**>(&ctx->first_error), first_error, 0) != cudaSuccess) {
-    *error = "cudaHostAlloc of the error words failed";
-    if (first_error != nullptr) cudaFreeHost(first_error);
-    nvshmem_free(base);
-    delete ctx;
-    return nullptr;
-  }
-  ctx->first_error_host = static_cast<int32_t*>(first_error);
-  for (int i = 0; i < kStatusWords; ++i) ctx->first_error_host[i] = 0;
   ctx->p2p = true;
   for (int pe = 0; pe < sizes.world; ++pe) ctx->p2p = ctx->p2p && nvshmem_ptr(base, pe) != nullptr;
   if (std::getenv("JAX_MOE_COMM_STAGED")) ctx->p2p = false;  // force the staged puts (any transport)
@@ -147,19 +135,9 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   return ctx;
 }
 
-std::array<int32_t, kStatusWords> take_first_error(Context* ctx) {
-  std::array<int32_t, kStatusWords> words{};
-  volatile int32_t* first = ctx->first_error_host;
-  if (first[0] == 0) return words;
-  for (int i = 0; i < kStatusWords; ++i) words[i] = first[i];
-  for (int i = kStatusWords - 1; i >= 0; --i) first[i] = 0;  // the code last: kernels check it before writing
-  return words;
-}
-
 void destroy_context(Context* ctx) {
   nvshmem_barrier_all();
   nvshmem_free(ctx->dispatch_staging);  // the start of the single allocation
-  cudaFreeHost(ctx->first_error_host);
   delete ctx;
 }
 

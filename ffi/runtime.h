@@ -1,7 +1,6 @@
 // Host API of the extension (plain C++: included by the nanobind bindings, which the host compiler builds).
 #pragma once
 
-#include <array>
 #include <cstddef>
 #include <string>
 #include <tuple>
@@ -27,8 +26,6 @@ std::tuple<int, int, int> host_version();  // NVSHMEM version of the loaded libn
 size_t symmetric_bytes(const Sizes& sizes);
 Context* create_context(const Sizes& sizes, std::string* error);  // collective
 void destroy_context(Context* ctx);                                // collective
-// The status words of this MoEComm's first failed call since the last take ({0, ...} if none), cleared.
-std::array<int32_t, kStatusWords> take_first_error(Context* ctx);
 int sm_count();
 
 }  // namespace jmc

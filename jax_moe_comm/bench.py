@@ -206,7 +206,7 @@ class Impl:
 class CommImpl(Impl):
     """MoEComm, backend "nvshmem" or "reference"."""
 
-    def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool | str) -> None:
+    def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool) -> None:
         self.name = name
         self.halves = name != "nvshmem"
         self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend=name, check_errors=check_errors)
@@ -239,7 +239,7 @@ class BaselineImpl(Impl):
         return self._combine(expert_y, aux, w, axis_name=AXIS, out_dtype=self.cfg.combine_dtype)
 
 
-def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool | str = True) -> Impl:
+def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool = True) -> Impl:
     if name in ("nvshmem", "reference"):
         return CommImpl(name, cfg, tokens, mesh, check_errors)
     return BaselineImpl(name, cfg)
@@ -690,8 +690,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="skip timing dispatch and combine on their own (faster)")
     p.add_argument("--no-check", dest="check_errors", action="store_false",
                    help="MoEComm(check_errors=False): time without the per-round-trip error callback")
-    p.add_argument("--deferred-check", dest="check_errors", action="store_const", const="deferred",
-                   help="MoEComm(check_errors='deferred'): errors kept for the next call and comm.check()")
     p.add_argument("--json", default=None, help="write the record (see benchmarks/README.md) to this path")
     p.add_argument("--plot", default=None, help="write a PNG: latency vs tokens per backend, log-log")
     p.add_argument("--quick", action="store_true",

@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 
 from . import _native, autodiff, nvshmem_backend, reference
 from .config import Geometry, MoECommConfig
-from .errors import MoECommError
 from .types import CombineHandle, Dispatched
 
 BACKENDS = ("auto", "nvshmem", "reference")
@@ -56,9 +55,6 @@ class MoEComm:
       check_errors: raise routing errors, capacity overflow and timeouts at the end of each round trip (a host
         callback, which synchronizes the stream: 0.6-0.8 ms per round trip measured on 2xH200). With False nothing
         is raised; dispatch's errors stay readable in ``handle.status`` (see errors.py) and combine's are lost.
-        With "deferred" (NVSHMEM backend; the reference backend raises at once) no callback runs: the kernels keep
-        the first failure, every later call on this MoEComm refuses to run with a message saying so (typically the
-        next step's), and ``check()`` raises it as a MoECommError with its description.
 
     One MoEComm carries one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv, then
     the next dispatch. Data dependencies give XLA that order within a round trip (and, with custom_vjp, between
@@ -69,7 +65,7 @@ class MoEComm:
     """
 
     def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto",
-                 custom_vjp: bool | None = None, check_errors: bool | str = True, grad_dtype: Any = None) -> None:
+                 custom_vjp: bool | None = None, check_errors: bool = True, grad_dtype: Any = None) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if axis_name not in mesh.axis_names:
@@ -82,10 +78,7 @@ class MoEComm:
         self.world = int(mesh.shape[axis_name])
         cfg.validate_world(self.world, axis_name)
         self.backend = _native.resolve_backend(backend, mesh)
-        if check_errors not in (True, False, "deferred"):
-            raise ValueError(f"check_errors must be True, False or 'deferred', got {check_errors!r}")
-        deferred = check_errors == "deferred" and self.backend == "nvshmem"
-        self._geo = Geometry(cfg, self.world, axis_name, check_errors=bool(check_errors) and not deferred)
+        self._geo = Geometry(cfg, self.world, axis_name, check_errors=bool(check_errors))
         self.custom_vjp = self.backend == "nvshmem" if custom_vjp is None else bool(custom_vjp)
         if grad_dtype is not None:
             if not cfg.is_fp8:
@@ -94,24 +87,13 @@ class MoEComm:
             if np.dtype(grad_dtype) not in COMBINE_DTYPES:
                 raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {np.dtype(grad_dtype).name}")
         if self.backend == "nvshmem":
-            self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh, deferred)
+            self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
         else:
             self._impl, self._plan = reference, self._geo
         # The buffers of an fp8 layer's backward round trip (see autodiff.py), in grad_dtype.
         self._grad_comm = None if grad_dtype is None else MoEComm(
             dataclasses.replace(cfg, dtype=grad_dtype, scale_block=None, capacity=self.capacity), mesh, axis_name,
             backend=self.backend, custom_vjp=False, check_errors=check_errors)
-
-    def check(self) -> None:
-        """Raises MoECommError for the first call of this MoEComm (and of its gradient buffer set) that failed on
-        this rank since the last check, and clears it (check_errors="deferred"; otherwise errors were raised by the
-        calls themselves and this finds none). Reads a host word: no device synchronisation."""
-        if self.backend == "nvshmem" and self._plan is not None:
-            message = nvshmem_backend.take_first_error(self._plan)
-            if message is not None:
-                raise MoECommError(message)
-        if self._grad_comm is not None:
-            self._grad_comm.check()
 
     def close(self) -> None:
         """Frees the NVSHMEM symmetric buffers (collective: every process closes its MoEComm in the same order)."""

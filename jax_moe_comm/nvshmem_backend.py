@@ -45,8 +45,7 @@ def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
-                 deferred_errors: bool = False) -> dict[str, int]:
+def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132) -> dict[str, int]:
     """The ``Sizes`` struct of ffi/context.h for one rank."""
     geo = Geometry(cfg, world, "")
     payload = cfg.hidden * np.dtype(cfg.dtype).itemsize
@@ -60,7 +59,6 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
         combine_stride=_round16(cfg.hidden * np.dtype(cfg.out_dtype).itemsize),
         timeout_ns=int(float(os.environ.get("JAX_MOE_COMM_TIMEOUT_S", "30")) * 1e9),
         sm_count=sm_count,
-        deferred_errors=int(deferred_errors),
     )
 
 
@@ -85,7 +83,7 @@ class Plan:
     p2p: bool  # stores reach every peer (NVLink): the fused combine pre-reduces on the expert side
 
 
-def create_plan(geo: Geometry, mesh, deferred_errors: bool = False) -> Plan:
+def create_plan(geo: Geometry, mesh) -> Plan:
     """Collective (every process, same order): allocates one MoEComm's symmetric buffers."""
     rt = runtime.current()
     if rt is None:
@@ -101,15 +99,9 @@ def create_plan(geo: Geometry, mesh, deferred_errors: bool = False) -> Plan:
         raise ValueError(f"the EP axis must order devices by process (rank {rt.rank} at position {rt.rank}); "
                          "build the mesh from jax.devices()")
     _register_targets()
-    sizes = kernel_sizes(cfg, geo.world, rt.rank, _native.ext.sm_count(), deferred_errors)
+    sizes = kernel_sizes(cfg, geo.world, rt.rank, _native.ext.sm_count())
     ctx = _native.ext.create_context(sizes)
     return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)))
-
-
-def take_first_error(plan: Plan) -> str | None:
-    """The message of the first call that failed on this rank since the last take, or None; cleared."""
-    code, phase, a, b = (int(v) for v in _native.ext.take_first_error(plan.ctx))
-    return errors.describe(code, phase, runtime.current().rank, a, b) if code else None
 
 
 def destroy_plan(plan: Plan) -> None:
