@@ -10,6 +10,7 @@ dtype's tolerance. Prints one line per case and a closing 'N passed, M failed'. 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import re
 import sys
@@ -460,6 +461,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
     parser.add_argument("--only", default="", help="run the cases whose name contains this (alternatives: a|b)")
     parser.add_argument("--skip", default="", help="skip the cases whose name contains this (a|b)")
+    parser.add_argument("--case-limit", type=float, default=180.0,
+                        help="seconds after which a case that has not returned dumps every stack and ends the rank")
     args = parser.parse_args()
     initialize_distributed()
     jmc.initialize(symmetric_size="8G")
@@ -509,12 +512,16 @@ def main() -> int:
                 args.skip and any(p in name for p in args.skip.split("|"))):
             continue
         t0 = time.time()
+        # A case that blocks (ranks that diverged into different collectives: nothing of ours waits this long)
+        # prints every thread's stack and ends this rank; the launcher then stops the others.
+        faulthandler.dump_traceback_later(args.case_limit, exit=True)
         try:
             info = fn(seed + i)
             ok = True
         except Exception as exc:  # report and go on to the next case
             info, ok = f"{type(exc).__name__}: {str(exc)[:400]}", False
             traceback.print_exc(file=sys.stderr)
+        faulthandler.cancel_dump_traceback_later()
         passed, failed = passed + ok, failed + (not ok)
         if jax.process_index() == 0:
             print(f"{'PASS' if ok else 'FAIL'} {name} ({time.time() - t0:.1f}s, seed {seed + i}): {info}", flush=True)

@@ -134,7 +134,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
     # the sanitizer that is not ours (cudaFuncGetAttributes on kernels without an sm_90 image was reported there).
     XLA_FLAGS="${XLA_FLAGS:-} ${SANITIZE_XLA_FLAGS---xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=}" \
     PYTHONFAULTHANDLER=1 NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m jax_moe_comm.launch -n 2 -- \
-      tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" > "$log" 2>&1
+      tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" --case-limit 280 > "$log" 2>&1
     rc=$?
     grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
     echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
