@@ -73,6 +73,12 @@ NB_MODULE(_nvshmem_ext, m) {
         "Collective: free a context's symmetric buffers.");
   m.def("context_p2p", [](intptr_t ctx) { return reinterpret_cast<jmc::Context*>(ctx)->p2p; },
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
+  m.def("launch_phase", [](intptr_t ctx, const std::string& phase, const std::map<std::string, int64_t>& args,
+                           intptr_t stream) {
+    const std::string error = jmc::launch_phase(reinterpret_cast<jmc::Context*>(ctx), phase, args, stream);
+    if (!error.empty()) throw std::runtime_error("jax_moe_comm " + phase + ": CUDA launch failed: " + error);
+  }, nb::arg("ctx"), nb::arg("phase"), nb::arg("args"), nb::arg("stream") = 0,
+        "Launch one phase's kernel without XLA (device pointers as integers); tests/gpu/kernel_harness.py.");
   m.def("handlers", [] {
     return std::map<std::string, nb::capsule>{
         {"dispatch_send", nb::capsule(reinterpret_cast<void*>(jmc_dispatch_send))},

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <map>
 #include <string>
 #include <tuple>
 
@@ -27,5 +29,10 @@ size_t symmetric_bytes(const Sizes& sizes);
 Context* create_context(const Sizes& sizes, std::string* error);  // collective
 void destroy_context(Context* ctx);                                // collective
 int sm_count();
+
+// One phase's kernel without XLA (raw_launch.cu): device pointers and the handlers' attributes by name, on a CUDA
+// stream (0: the legacy default stream). Returns the launch's CUDA error, empty if none.
+std::string launch_phase(Context* ctx, const std::string& phase, const std::map<std::string, int64_t>& args,
+                         intptr_t stream);
 
 }  // namespace jmc

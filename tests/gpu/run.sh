@@ -8,7 +8,8 @@
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
-#   SANITIZE="case|case"        those cases under compute-sanitizer memcheck (NVLink path, then
+#   SANITIZE="case|case"        the kernel harness (tests/gpu/kernel_harness.py: no XLA on the GPU), plain and under
+#                               compute-sanitizer memcheck, then those cases under memcheck (NVLink path, then
 #                               staged path; SANITIZE_STAGED="0" the first alone; SANITIZE_BOOTSTRAP=extension;
 #                               SANITIZE_STARTUP=1 start-up alone first; SANITIZE_XLA_FLAGS for XLA under it)
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
@@ -121,6 +122,29 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
     grep -E "NVSHMEM up|ERROR SUMMARY|killed by" "$LOGS/sanitizer_startup_$boot.log" | tee -a "$OUT/summary.txt"
     step "sanitizer (start-up, $boot) exit code $rc"
   done
+  # The kernel harness: round trips through the four kernels with JAX on the CPU (no XLA:GPU in the process),
+  # checked against the reference; plain first (so a harness failure is not taken for the sanitizer's), then under
+  # memcheck, on both send paths.
+  for staged in 0 1; do
+    for tool in none memcheck; do
+      step "kernel harness (JAX_MOE_COMM_STAGED=$staged, sanitizer: $tool)"
+      log="$LOGS/harness_staged${staged}_$tool.log"
+      wrap=""; [ $tool = memcheck ] && wrap=tests/gpu/under_sanitizer.py
+      if [ $staged = 1 ]; then export JAX_MOE_COMM_STAGED=1; else unset JAX_MOE_COMM_STAGED; fi
+      JAX_MOE_COMM_TIMEOUT_S=60 timeout 300 python3 -m jax_moe_comm.launch -n 2 -- $wrap tests/gpu/kernel_harness.py \
+        > "$log" 2>&1  # 60 s waits: memcheck slows one rank more than the other
+      rc=$?
+      grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
+      if [ $tool = memcheck ]; then
+        echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
+          "$log")" | tee -a "$OUT/summary.txt"
+        grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$log" | head -12 | tee -a "$OUT/summary.txt"
+        grep -E "ERROR SUMMARY" "$log" | tee -a "$OUT/summary.txt"
+      fi
+      step "kernel harness exit code $rc"
+    done
+  done
+  unset JAX_MOE_COMM_STAGED
   # SANITIZE_BOOTSTRAP=extension: the cases with the extension's own NVSHMEM init (no nvshmem4py / cuda-python).
   export JAX_MOE_COMM_BOOTSTRAP=${SANITIZE_BOOTSTRAP:-nvshmem4py}
   for staged in ${SANITIZE_STAGED:-0 1}; do  # the NVLink store path, then the staged put path

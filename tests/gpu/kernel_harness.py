@@ -1,0 +1,229 @@
+"""Round trips through the four kernels with no XLA on the GPU, checked against the reference backend on the CPU.
+
+    python -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py [--only "name|name"] [--seed N]
+
+The program compute-sanitizer checks: under memcheck a process running XLA:GPU programs crashed the sanitizer
+(tests/gpu/LAST_RUN.md), so here JAX stays on the CPU. JAX computes the expected layout and values (the reference
+backend over `world` local CPU devices), and jax.distributed carries the NVSHMEM unique id. Device memory comes from
+cuda-python's runtime bindings, and the extension's `launch_phase` runs the same launch helpers as the FFI handlers.
+JAX_MOE_COMM_STAGED=1 forces the staged put path, as in the GPU cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import time
+
+# Before jax is imported: nothing of XLA may use the GPU; the reference runs over one CPU device per rank.
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                           + os.environ.get("JAX_NUM_PROCESSES", "2"))
+os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "2G")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from cuda.bindings import runtime as cudart  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from nvshmem_cases import TOLERANCE, routing  # noqa: E402
+
+import jax_moe_comm as jmc  # noqa: E402
+from jax_moe_comm import _native, runtime  # noqa: E402
+from jax_moe_comm.launch import initialize_distributed  # noqa: E402
+from jax_moe_comm.nvshmem_backend import _DTYPE_CODE, kernel_sizes  # noqa: E402
+
+C = jmc.MoECommConfig
+CASES = {
+    "fp32 K2": (C(8, 2, 128, 16, dtype=jnp.float32, out_dtype=jnp.float32), "uniform"),
+    "bf16 K8 E32": (C(32, 8, 256, 32, dtype=jnp.bfloat16), "uniform"),
+    "fp8+scales K8": (C(32, 8, 512, 16, dtype=jnp.float8_e4m3fn, scale_block=128), "uniform"),
+    "-1 slots": (C(8, 4, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32), "dropped"),
+    "skewed: all to expert 0": (C(8, 3, 64, 32, dtype=jnp.bfloat16), "skewed"),
+}
+
+
+def checked(result):
+    err, *rest = result
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"CUDA runtime call failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class DeviceArrays:
+    """Device copies of host arrays (and zeroed outputs), freed together."""
+
+    def __init__(self):
+        self.ptrs = []
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = int(checked(cudart.cudaMalloc(max(nbytes, 16))))
+        checked(cudart.cudaMemset(ptr, 0, max(nbytes, 16)))
+        self.ptrs.append(ptr)
+        return ptr
+
+    def put(self, host: np.ndarray) -> int:
+        host = np.ascontiguousarray(host)
+        ptr = self.alloc(host.nbytes)
+        if host.nbytes:
+            checked(cudart.cudaMemcpy(ptr, host.ctypes.data, host.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
+        return ptr
+
+    @staticmethod
+    def get(ptr: int, shape, dtype) -> np.ndarray:
+        out = np.zeros(shape, dtype)
+        if out.nbytes:
+            checked(cudart.cudaMemcpy(out.ctypes.data, ptr, out.nbytes, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+        return out
+
+    def free(self):
+        for ptr in self.ptrs:
+            checked(cudart.cudaFree(ptr))
+        self.ptrs = []
+
+
+def reference_round_trip(cfg, world, x, ids, w, scales, counts):
+    """The reference backend over `world` local CPU devices: (expert_x, scales, group_sizes, row_origin, y), global."""
+    mesh = Mesh(np.array(jax.local_devices()[:world]), ("ep",))
+    comm = jmc.MoEComm(cfg, mesh, "ep", backend="reference")
+
+    def put(a):
+        return None if a is None else jax.device_put(a, NamedSharding(mesh, P("ep")))
+
+    @jax.jit
+    def round_trip(x, ids, scales, n, w):
+        d = jmc.dispatch(comm, x, ids, scales, n)
+        y = (d.expert_x.astype(jnp.float32) * 1.5).astype(cfg.out_dtype)  # the stand-in expert of the GPU cases
+        return d.expert_x, d.expert_scales, d.group_sizes, d.handle.row_origin, jmc.combine(comm, y, d.handle, w)
+
+    out = round_trip(put(x.astype(cfg.dtype)), put(ids), put(scales), put(counts), put(w))
+    return jax.tree.map(np.asarray, out)
+
+
+def kernel_round_trip(ctx, p2p, cfg, geo_sizes, x, ids, w, scales, n):
+    """This rank's round trip through the four kernels (legacy default stream): the same outputs, this rank's part."""
+    T, H = cfg.max_tokens, cfg.hidden
+    cap, L = geo_sizes["capacity"], geo_sizes["local_experts"]
+    mem = DeviceArrays()
+    try:
+        status = [mem.alloc(16) for _ in range(4)]
+        x_d, ids_d, w_d, n_d = mem.put(x.astype(cfg.dtype)), mem.put(ids), mem.put(w), mem.put(np.int32([n]))
+        scales_d = mem.put(scales if scales is not None else np.zeros((T, 0), np.float32))
+        ext = _native.ext
+        ext.launch_phase(ctx, "dispatch_send", dict(x=x_d, scales=scales_d, topk_ids=ids_d, num_tokens=n_d,
+                                                    status=status[0]))
+        ex_d, es_d = mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize), mem.alloc(cap * cfg.scale_cols * 4)
+        gs_d, ro_d = mem.alloc(L * 4), mem.alloc(cap * 4)
+        ext.launch_phase(ctx, "dispatch_recv", dict(expert_x=ex_d, expert_scales=es_d, group_sizes=gs_d,
+                                                    row_origin=ro_d, status=status[1]))
+        checked(cudart.cudaDeviceSynchronize())
+        expert_x = DeviceArrays.get(ex_d, (cap, H), cfg.dtype)
+        y = (expert_x.astype(np.float32) * 1.5).astype(cfg.out_dtype)
+        y_d = mem.put(y)
+        code = _DTYPE_CODE[np.dtype(cfg.out_dtype)]
+        # As the NVSHMEM backend's fused combine: pre-reduced on the NVLink path, rows per slot otherwise.
+        ext.launch_phase(ctx, "combine_send", dict(expert_y=y_d, elem_bytes=y.itemsize, row_origin=ro_d,
+                                                   status=status[2], topk_weights=w_d if p2p else 0, in_dtype=code,
+                                                   partial_dtype=code))
+        out_d = mem.alloc(T * H * np.dtype(cfg.out_dtype).itemsize)
+        ext.launch_phase(ctx, "combine_recv", dict(topk_ids=ids_d, topk_weights=w_d, num_tokens=n_d, out=out_d,
+                                                   in_dtype=code, out_dtype=code, status=status[3],
+                                                   reduced=int(p2p)))
+        checked(cudart.cudaDeviceSynchronize())
+        return (expert_x, DeviceArrays.get(es_d, (cap, cfg.scale_cols), np.float32),
+                DeviceArrays.get(gs_d, (L,), np.int32), DeviceArrays.get(ro_d, (cap,), np.int32),
+                DeviceArrays.get(out_d, (T, H), cfg.out_dtype),
+                [DeviceArrays.get(s, (4,), np.int32) for s in status])
+    finally:
+        mem.free()
+
+
+def run_case(rank, world, seed, cfg, kind, repeats=2):
+    rng = np.random.default_rng(seed)
+    T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, kind, world * T, cfg, world)
+    w = rng.random((world * T, K)).astype(np.float32)
+    counts = np.full(world, T, np.int32)
+    scales = (rng.random((world * T, cfg.scale_cols)) + 0.5).astype(np.float32) if cfg.is_fp8 else None
+    ref = reference_round_trip(cfg, world, x, ids, w, scales, counts)
+    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count())
+    ctx = _native.ext.create_context(sizes)
+    try:
+        p2p = bool(_native.ext.context_p2p(ctx))
+        cap, L = sizes["capacity"], sizes["local_experts"]
+        rows = slice(rank * T, (rank + 1) * T)
+        for _ in range(repeats):  # the second round trip reuses the buffers the first one reset
+            got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
+                                    None if scales is None else scales[rows], T)
+            expert_x, expert_scales, group_sizes, row_origin, y, status = got
+            assert all(not s.any() for s in status), f"status words {status}"
+            ref_sizes = ref[2][rank * L:(rank + 1) * L]
+            assert np.array_equal(group_sizes, ref_sizes), "group_sizes differ"
+            assert np.array_equal(row_origin, ref[3][rank * cap:(rank + 1) * cap]), "row_origin differs"
+            used = int(ref_sizes.sum())
+            ref_x = ref[0][rank * cap:rank * cap + used]
+            assert np.array_equal(expert_x[:used].view(np.uint8), ref_x.view(np.uint8)), "expert_x differs"
+            if cfg.is_fp8:
+                assert np.array_equal(expert_scales[:used], ref[1][rank * cap:rank * cap + used]), "scales differ"
+            y32, ref32 = y.astype(np.float32), ref[4][rows].astype(np.float32)
+            err = float(np.abs(y32 - ref32).max() / max(np.abs(ref32).max(), 1e-30))
+            tol = TOLERANCE[np.dtype(cfg.out_dtype).name]
+            assert err <= tol, f"combine rel err {err:.2e} > {tol}"
+        return f"rows {used}, combine rel err {err:.1e}, {'NVLink stores' if p2p else 'staged puts'}, {repeats} trips"
+    finally:
+        _native.ext.destroy_context(ctx)
+
+
+def shared_seed(rank: int, seed: int) -> int:
+    """Rank 0's seed on every rank (every rank draws the same data), through jax.distributed's key-value store."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return seed
+    if rank == 0:
+        client.key_value_set("jax_moe_comm/kernel_harness_seed", str(seed))
+    return int(client.blocking_key_value_get("jax_moe_comm/kernel_harness_seed", 60_000))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
+    parser.add_argument("--only", default="", help="run the cases whose name contains this (alternatives: a|b)")
+    parser.add_argument("--case-limit", type=float, default=280.0, help="seconds before a case that has not "
+                        "returned dumps every stack and ends the rank (memcheck slows the kernels down)")
+    args = parser.parse_args()
+    rank, world = initialize_distributed()
+    if _native.ext is None:
+        raise SystemExit(_native.unavailable_reason_text())
+    checked(cudart.cudaSetDevice(0))  # the launcher gives each process one visible GPU
+    uid = runtime._share_unique_id(rank, world, 120.0)
+    if _native.ext.init(uid, rank, world, 0) != 0:
+        raise SystemExit("NVSHMEM initialization failed")
+    seed = shared_seed(rank, args.seed)
+    passed = failed = 0
+    for i, (name, (cfg, kind)) in enumerate(CASES.items()):
+        if args.only and not any(p in name for p in args.only.split("|")):
+            continue
+        t0 = time.time()
+        faulthandler.dump_traceback_later(args.case_limit, exit=True)  # a rank left waiting: stacks, then exit
+        try:
+            info, ok = run_case(rank, world, seed + i, cfg, kind), True
+        except Exception as exc:  # report and go on (both ranks run every case: create_context is collective)
+            info, ok = f"{type(exc).__name__}: {str(exc)[:300]}", False
+        faulthandler.cancel_dump_traceback_later()
+        passed, failed = passed + ok, failed + (not ok)
+        print(f"{'PASS' if ok else 'FAIL'} {name} ({time.time() - t0:.1f}s, seed {seed + i}): {info}", flush=True)
+    if rank == 0:
+        print(f"{passed} passed, {failed} failed", flush=True)
+    _native.ext.finalize()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
