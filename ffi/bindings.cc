@@ -1,4 +1,6 @@
 // nanobind module jax_moe_comm._nvshmem_ext: the host API of runtime.h and the FFI handler capsules.
+// The collective calls (init, finalize, create/destroy_context) wait for the other ranks and for the GPU: they
+// release the GIL, so a JAX host callback (which needs it) can still run meanwhile.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/tuple.h>
@@ -50,14 +52,16 @@ NB_MODULE(_nvshmem_ext, m) {
   m.def("unique_id", [] { std::string id = jmc::unique_id(); return nb::bytes(id.data(), id.size()); },
         "A fresh NVSHMEM unique id (128 bytes), to be shared with every rank.");
   m.def("init", [](nb::bytes uid, int rank, int nranks, int device) {
-    return jmc::init(std::string(uid.c_str(), uid.size()), rank, nranks, device);
+    const std::string id(uid.c_str(), uid.size());
+    nb::gil_scoped_release released;
+    return jmc::init(id, rank, nranks, device);
   }, nb::arg("uid"), nb::arg("rank"), nb::arg("nranks"), nb::arg("device"),
         "Initialize NVSHMEM from a unique id (or attach this library's device state if already initialized). "
         "Returns 0 on success.");
   m.def("init_status", &jmc::init_status);
   m.def("my_pe", &jmc::my_pe);
   m.def("n_pes", &jmc::n_pes);
-  m.def("finalize", &jmc::finalize);
+  m.def("finalize", &jmc::finalize, nb::call_guard<nb::gil_scoped_release>());
   m.def("host_version", &jmc::host_version, "(major, minor, patch) of the loaded libnvshmem_host.");
   m.def("sm_count", &jmc::sm_count);
   m.def("symmetric_bytes", [](const std::map<std::string, int64_t>& sizes) {
@@ -68,9 +72,10 @@ NB_MODULE(_nvshmem_ext, m) {
     jmc::Context* ctx = jmc::create_context(sizes_from(sizes), &error);
     if (ctx == nullptr) throw std::runtime_error("jax_moe_comm: " + error);
     return reinterpret_cast<intptr_t>(ctx);
-  }, "Collective: allocate one MoEComm's symmetric buffers; returns the context address for the handlers.");
+  }, nb::call_guard<nb::gil_scoped_release>(),
+        "Collective: allocate one MoEComm's symmetric buffers; returns the context address for the handlers.");
   m.def("destroy_context", [](intptr_t ctx) { jmc::destroy_context(reinterpret_cast<jmc::Context*>(ctx)); },
-        "Collective: free a context's symmetric buffers.");
+        nb::call_guard<nb::gil_scoped_release>(), "Collective: free a context's symmetric buffers.");
   m.def("context_p2p", [](intptr_t ctx) { return reinterpret_cast<jmc::Context*>(ctx)->p2p; },
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
   m.def("launch_phase", [](intptr_t ctx, const std::string& phase, const std::map<std::string, int64_t>& args,

@@ -102,8 +102,15 @@ Context* create_context(const Sizes& sizes, std::string* error) {
              "jax_moe_comm.initialize) to at least the sum of comm.symmetric_bytes of every MoEComm, plus margin";
     return nullptr;
   }
-  if (cudaMemset(base, 0, bytes.total()) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
-    *error = "cudaMemset of the symmetric buffers failed";
+  // Zeroed on a stream of its own and waited for alone: a device-wide synchronisation would also wait for work
+  // already queued by XLA, which may itself wait for a host callback.
+  cudaStream_t zeroing = nullptr;
+  const bool zeroed = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking) == cudaSuccess &&
+                      cudaMemsetAsync(base, 0, bytes.total(), zeroing) == cudaSuccess &&
+                      cudaStreamSynchronize(zeroing) == cudaSuccess;
+  if (zeroing != nullptr) cudaStreamDestroy(zeroing);
+  if (!zeroed) {
+    *error = "zeroing the symmetric buffers failed";
     nvshmem_free(base);
     return nullptr;
   }
