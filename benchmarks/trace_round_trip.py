@@ -1,8 +1,8 @@
 """Where a round trip's time goes: traces the bench's jitted chain of round trips with jax.profiler and prints the
-GPU activity per kernel name and the device timeline of one chain call (rank 0).
+GPU activity per kernel name and the device timeline of one chain call (rank 0; every rank with --all-ranks).
 
     python -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py --tokens 128 [--check] [--chain 4]
-        [--env JAX_MOE_COMM_COMMAND_BUFFERS=1]
+        [--env JAX_MOE_COMM_COMMAND_BUFFERS=1] [--all-ranks]
 
 Needs CUPTI (shipped with jax's CUDA plugin); without it the trace holds host events only and this says so.
 """
@@ -53,6 +53,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--chain", type=int, default=4)
     p.add_argument("--check", action="store_true", help="keep the per-round-trip error callback")
+    p.add_argument("--all-ranks", action="store_true",
+                   help="every rank prints its report (a kernel that waits measures its peer's lateness too)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set before the MoEComm is built, e.g. JAX_MOE_COMM_COMMAND_BUFFERS=1 (repeatable)")
     args = p.parse_args()
@@ -81,7 +83,7 @@ def main() -> int:
                 jax.block_until_ready(fn(*dev))
         events = load_trace(log_dir)
     impl.close()
-    if jax.process_index() != 0:
+    if jax.process_index() != 0 and not args.all_ranks:
         return 0
     gpu = device_events(events)
     print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain} check={args.check} env={args.env}: "
@@ -93,9 +95,10 @@ def main() -> int:
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for e in gpu:
         by_name[e["name"][:70]].append(e["dur"])
-    print(f"{'kernel / activity':70s} {'count':>6s} {'mean us':>9s} {'total us':>9s}")
+    # The median, not the mean: the first round trip of each call also waits for the peer's host to launch.
+    print(f"{'kernel / activity':70s} {'count':>6s} {'median us':>9s} {'total us':>9s}")
     for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]:
-        print(f"{name:70s} {len(durs):6d} {np.mean(durs):9.1f} {sum(durs):9.1f}")
+        print(f"{name:70s} {len(durs):6d} {np.median(durs):9.1f} {sum(durs):9.1f}")
     # The last chain call: device events in start order, with the gap before each.
     gpu.sort(key=lambda e: e["ts"])
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
