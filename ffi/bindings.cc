@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 #include <nanobind/stl/string.h>
 
 #include <map>
@@ -78,6 +79,10 @@ NB_MODULE(_nvshmem_ext, m) {
         nb::call_guard<nb::gil_scoped_release>(), "Collective: free a context's symmetric buffers.");
   m.def("context_p2p", [](intptr_t ctx) { return reinterpret_cast<jmc::Context*>(ctx)->p2p; },
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
+  m.def("take_kernel_marks", [](intptr_t ctx) {
+    return jmc::take_kernel_marks(reinterpret_cast<jmc::Context*>(ctx));
+  }, "[phase * 6 + mark] globaltimer ns of the last round trip's kernel steps (JAX_MOE_COMM_KERNEL_MARKS=1 at "
+     "creation; else empty), cleared.");
   m.def("launch_phase", [](intptr_t ctx, const std::string& phase, const std::map<std::string, int64_t>& args,
                            intptr_t stream) {
     const std::string error = jmc::launch_phase(reinterpret_cast<jmc::Context*>(ctx), phase, args, stream);

@@ -93,6 +93,7 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   if (a.reduced) {  // one partial row per expert rank, all signalled at once by each rank's combine_send
     if (threadIdx.x < s.world) wait_at_least(ctx.partials_ready + threadIdx.x, 1, s, status, kCombineRecv, threadIdx.x);
     __syncthreads();
+    mark(ctx, kCombineRecv, kWaited);
   }
 
   for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
@@ -111,6 +112,8 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
     store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector_ok, cols);
   }
 
+  mark(ctx, kCombineRecv, kWorked);
+
   // The global barrier (block 0, one thread per peer).
   if (blockIdx.x == 0 && threadIdx.x < s.world && threadIdx.x != s.rank) {
     if (wait_at_least(ctx.sync_flags + threadIdx.x, 1, s, status, kCombineRecv, threadIdx.x))
@@ -122,6 +125,7 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   if (finish_phase(ctx, kCombineRecv, a.status)) {
     for (int t = threadIdx.x; t < s.max_tokens; t += blockDim.x) ctx.combine_arrived[t] = 0;
     for (int r = threadIdx.x; r < s.world; r += blockDim.x) ctx.weights_ready[r] = ctx.partials_ready[r] = 0;
+    mark(ctx, kCombineRecv, kEnd, true);
   }
 }
 

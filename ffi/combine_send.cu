@@ -25,6 +25,7 @@ __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
     __syncthreads();
     if (threadIdx.x < s.world && threadIdx.x != s.rank)
       nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    mark(ctx, kCombineSend, kWaited);
   }
 
   const int lane = threadIdx.x % 32;
@@ -57,7 +58,8 @@ __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
                                         group * s.dp_size + j);
     }
   }
-  finish_phase(ctx, kCombineSend, a.status);
+  mark(ctx, kCombineSend, kWorked);
+  if (finish_phase(ctx, kCombineSend, a.status)) mark(ctx, kCombineSend, kEnd, true);
 }
 
 // Pre-reduced combine_send (cooperative launch: every block resident, so blocks may wait for peers' blocks).
@@ -103,6 +105,7 @@ __global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
     nvshmemx_signal_op(ctx.weights_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
   if (threadIdx.x < s.world) wait_at_least(ctx.weights_ready + threadIdx.x, 1, s, status, kCombineSend, threadIdx.x);
   __syncthreads();
+  mark(ctx, kCombineSend, kWaited);
 
   // 3. One partial row per arrived token with a live slot here. A warp takes one segment of kSegChunks chunks per
   //    lane of the row (lanes interleaved: coalesced), so a token's columns spread over many warps and each lane
@@ -164,7 +167,9 @@ __global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
         if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));
     }
   }
+  mark(ctx, kCombineSend, kWorked);
   __threadfence_system();  // this thread's partial rows reach every peer before the signals below
+  mark(ctx, kCombineSend, kClosed);
 
   // 4. Done: partial rows landed, dispatch buffers read.
   if (finish_phase(ctx, kCombineSend, a.status)) {
@@ -175,6 +180,7 @@ __global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
       nvshmemx_signal_op(ctx.partials_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
       if (threadIdx.x != s.rank) nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
     }
+    mark(ctx, kCombineSend, kEnd, true);
   }
 }
 

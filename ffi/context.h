@@ -32,6 +32,11 @@ constexpr int kPhases = 4;
 // the MoEComm expected next, the phase that ran).
 constexpr int kStatusWords = 4;
 
+// Kernel marks (JAX_MOE_COMM_KERNEL_MARKS=1): globaltimer stamps of each phase's steps, for the kernel harness's
+// --marks table. Stamped by thread 0 of block 0, except kAllDone and kEnd (the last block).
+enum Mark : int32_t { kStart = 0, kWaited = 1, kWorked = 2, kClosed = 3, kAllDone = 4, kEnd = 5 };
+constexpr int kMarks = 6;
+
 struct Sizes {
   int rank, world, dp_size, num_dp;
   int max_tokens, experts_per_token, hidden, num_experts, local_experts;
@@ -72,6 +77,7 @@ struct Context {
   int32_t* next_phase;        // [1] the phase this MoEComm runs next: one round trip at a time, in phase order
   int32_t* row_of;            // [num_dp][max_tokens][K] packed row of (group, token, slot): row_origin inverted by
                               // the pre-reduced combine_send (entries are checked against row_origin before use)
+  uint64_t* marks;            // [4 phases][kMarks] (device memory, not symmetric), or null: no stamps
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put
   size_t symmetric_bytes;

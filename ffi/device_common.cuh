@@ -103,6 +103,13 @@ __device__ inline bool last_block_done(unsigned* counter) {
   return last;
 }
 
+// A kernel mark (when enabled: ctx.marks): block 0's thread 0 stamps it; `last` stamps it in any block (the
+// caller is the last block). One branch on a null pointer otherwise.
+__device__ inline void mark(const Context& ctx, Phase phase, Mark point, bool last = false) {
+  if (ctx.marks != nullptr && threadIdx.x == 0 && (last || blockIdx.x == 0))
+    ctx.marks[phase * kMarks + point] = now_ns();
+}
+
 // Where a phase's kernel records errors while it runs.
 __device__ inline int32_t* phase_status(const Context& ctx, Phase phase) {
   return ctx.status_scratch + phase * kStatusWords;
@@ -113,6 +120,7 @@ __device__ inline int32_t* phase_status(const Context& ctx, Phase phase) {
 // moves the protocol on. Returns true in that block.
 __device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* out, bool ran = true) {
   if (!last_block_done(ctx.blocks_done + phase)) return false;
+  mark(ctx, phase, kAllDone, true);
   volatile int32_t* scratch = phase_status(ctx, phase);
   if (threadIdx.x < kStatusWords) {
     out[threadIdx.x] = scratch[threadIdx.x];
@@ -131,6 +139,7 @@ __device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* ou
 // interleaved round trips on one buffer set fail with a message instead of hanging or mixing rows. Every block reads
 // the same value: only the last block of the kernel advances it (finish_phase), after all have read it.
 __device__ inline bool begin_phase(const Context& ctx, Phase phase, int32_t* out) {
+  mark(ctx, phase, kStart);
   const int32_t expected = *reinterpret_cast<volatile int32_t*>(ctx.next_phase);
   if (expected == phase) return true;
   if (blockIdx.x == 0 && threadIdx.x == 0) report(phase_status(ctx, phase), kOutOfOrder, phase, expected, phase);

@@ -79,6 +79,7 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
     atomicAdd(&group_tokens[src / s.dp_size], min(max(n, 0), s.slots_per_source));
   }
   __syncthreads();
+  mark(ctx, kDispatchRecv, kWaited);
 
   // 2. Rows per (local expert, group): a histogram over every arrived token's ids (counts, hence deterministic).
   for (int g = 0; g < G; ++g) {
@@ -147,6 +148,8 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
     }
   }
 
+  mark(ctx, kDispatchRecv, kWorked);
+
   // 4. Rows holding no token: origin -1 (a thread per row); alignment padding inside the packed region is zeroed.
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < s.capacity; p += gridDim.x * blockDim.x) {
     const int l = p < packed_rows ? find_run(expert_start, L, p) : L;
@@ -161,7 +164,8 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
       if (s.scale_cols) warp_zero(a.expert_scales + static_cast<size_t>(p) * s.scale_cols, 4 * s.scale_cols, lane);
     }
   }
-  finish_phase(ctx, kDispatchRecv, a.status);
+  mark(ctx, kDispatchRecv, kClosed);
+  if (finish_phase(ctx, kDispatchRecv, a.status)) mark(ctx, kDispatchRecv, kEnd, true);
 }
 
 }  // namespace

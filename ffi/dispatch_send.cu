@@ -61,6 +61,7 @@ __device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& 
     __threadfence_system();
     if (threadIdx.x < ctx.s.world)
       nvshmemx_signal_op(ctx.dispatch_ready + ctx.s.rank, my_tokens + 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    mark(ctx, kDispatchSend, kEnd, true);
   }
 }
 
@@ -71,6 +72,7 @@ __device__ inline bool begin_send(const Context& ctx, const DispatchSendArgs& a,
   int num_tokens;
   *my_tokens = replica_tokens(ctx.s, a, &num_tokens);
   validate_ids(ctx.s, a, num_tokens, phase_status(ctx, kDispatchSend));
+  mark(ctx, kDispatchSend, kWaited);
   return true;
 }
 
@@ -95,7 +97,9 @@ __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
       write_token_row(static_cast<char*>(nvshmem_ptr(ctx.dispatch_slots + slot * s.token_stride, d)), s, a, t, lane);
     }
   }
+  mark(ctx, kDispatchSend, kWorked);
   __threadfence_system();  // this thread's stores reach every peer before the ready signal
+  mark(ctx, kDispatchSend, kClosed);
   signal_ready(ctx, a, my_tokens);
 }
 
@@ -125,7 +129,9 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
         nvshmemx_putmem_nbi_warp(ctx.dispatch_slots + slot * s.token_stride, staged, s.token_stride, d);
     }
   }
+  mark(ctx, kDispatchSend, kWorked);
   nvshmem_quiet();  // this thread's puts are complete before the ready signal
+  mark(ctx, kDispatchSend, kClosed);
   signal_ready(ctx, a, my_tokens);
 }
 

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "runtime.h"
 
@@ -138,11 +139,27 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   for (int pe = 0; pe < sizes.world; ++pe) ctx->p2p = ctx->p2p && nvshmem_ptr(base, pe) != nullptr;
   if (std::getenv("JAX_MOE_COMM_STAGED")) ctx->p2p = false;  // force the staged puts (any transport)
   ctx->symmetric_bytes = bytes.total();
+  if (std::getenv("JAX_MOE_COMM_KERNEL_MARKS") != nullptr &&
+      (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
+       cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess)) {
+    ctx->marks = nullptr;  // no stamps: take_kernel_marks says so
+  }
   nvshmem_barrier_all();  // every rank's buffers are zero before anyone may put into them
   return ctx;
 }
 
+std::vector<uint64_t> take_kernel_marks(Context* ctx) {
+  std::vector<uint64_t> marks(kPhases * kMarks, 0);
+  if (ctx->marks == nullptr) return {};
+  const size_t bytes = marks.size() * sizeof(uint64_t);
+  if (cudaMemcpy(marks.data(), ctx->marks, bytes, cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemset(ctx->marks, 0, bytes) != cudaSuccess)
+    return {};
+  return marks;
+}
+
 void destroy_context(Context* ctx) {
+  if (ctx->marks != nullptr) cudaFree(ctx->marks);
   nvshmem_barrier_all();
   nvshmem_free(ctx->dispatch_staging);  // the start of the single allocation
   delete ctx;

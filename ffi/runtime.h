@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "context.h"
 
@@ -28,6 +29,9 @@ std::tuple<int, int, int> host_version();  // NVSHMEM version of the loaded libn
 size_t symmetric_bytes(const Sizes& sizes);
 Context* create_context(const Sizes& sizes, std::string* error);  // collective
 void destroy_context(Context* ctx);                                // collective
+// The kernel marks of the context's last round trip ([phase][Mark] globaltimer ns, 0 = not stamped), cleared; empty
+// unless JAX_MOE_COMM_KERNEL_MARKS was set when it was created. Synchronous (a device-to-host copy).
+std::vector<uint64_t> take_kernel_marks(Context* ctx);
 int sm_count();
 
 // One phase's kernel without XLA (raw_launch.cu): device pointers and the handlers' attributes by name, on a CUDA

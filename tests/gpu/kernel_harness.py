@@ -179,6 +179,78 @@ def run_case(rank, world, seed, cfg, kind, repeats=2):
         _native.ext.destroy_context(ctx)
 
 
+PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+MARKS = ("start", "waited", "worked", "closed", "all_done", "end")  # ffi/context.h, enum Mark
+
+
+def format_marks(marks: np.ndarray) -> list[str]:
+    """marks [trips, phase, mark] (globaltimer ns, 0 = not stamped): a row per phase, medians in µs."""
+    lines = [f"{'phase':14s} {'gap':>7s} " + " ".join(f"{m:>8s}" for m in MARKS[1:])]
+    for i, phase in enumerate(PHASES):
+        start = marks[:, i, 0]
+        gap = f"{np.median(start - marks[:, i - 1, 5]) / 1e3:7.1f}" if i else f"{'-':>7s}"  # trip 1: host sync
+        cells = []
+        for j in range(1, len(MARKS)):
+            stamped = marks[:, i, j] > 0
+            cells.append(f"{np.median(marks[stamped, i, j] - start[stamped]) / 1e3:8.1f}" if stamped.any()
+                         else f"{'-':>8s}")
+        lines.append(f"{phase:14s} {gap} " + " ".join(cells))
+    return lines
+
+
+def marks_table(rank, world, config, tokens, trips):
+    """Where each kernel's time goes: `trips` round trips of the bench config at `tokens` per rank, the four kernels
+    queued back to back (expert_y is zeros: values do not matter here), each trip's kernel marks read after it.
+    Prints, per phase, the median µs from `start` to each later mark, and the median gap from the previous phase's
+    `end` to this one's `start` (launch and queueing)."""
+    from jax_moe_comm import bench
+
+    cfg = bench.CONFIGS[config].moe_config(tokens)
+    rng = np.random.default_rng(7)
+    T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
+    ids = routing(rng, "uniform", world * T, cfg, world)[rank * T:(rank + 1) * T]
+    x = rng.standard_normal((T, H)).astype(np.float32).astype(cfg.dtype)
+    w = rng.random((T, K)).astype(np.float32)
+    scales = (rng.random((T, cfg.scale_cols)) + 0.5).astype(np.float32)
+    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count())
+    cap, L = sizes["capacity"], sizes["local_experts"]
+    ext = _native.ext
+    ctx = ext.create_context(sizes)
+    mem = DeviceArrays()
+    try:
+        p2p = bool(ext.context_p2p(ctx))
+        status = [mem.alloc(16) for _ in range(4)]
+        x_d, ids_d, w_d, n_d, sc_d = mem.put(x), mem.put(ids), mem.put(w), mem.put(np.int32([T])), mem.put(scales)
+        ex_d, es_d = mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize), mem.alloc(cap * cfg.scale_cols * 4)
+        gs_d, ro_d = mem.alloc(L * 4), mem.alloc(cap * 4)
+        y_d, out_d = mem.alloc(cap * H * 2), mem.alloc(T * H * 2)
+        code = _DTYPE_CODE[np.dtype(cfg.out_dtype)]
+        phase_args = [
+            dict(x=x_d, scales=sc_d, topk_ids=ids_d, num_tokens=n_d, status=status[0]),
+            dict(expert_x=ex_d, expert_scales=es_d, group_sizes=gs_d, row_origin=ro_d, status=status[1]),
+            dict(expert_y=y_d, elem_bytes=2, row_origin=ro_d, status=status[2], topk_weights=w_d if p2p else 0,
+                 in_dtype=code, partial_dtype=code),
+            dict(topk_ids=ids_d, topk_weights=w_d, num_tokens=n_d, out=out_d, in_dtype=code, out_dtype=code,
+                 status=status[3], reduced=int(p2p)),
+        ]
+        rows = []
+        for _ in range(trips):
+            for phase, a in zip(PHASES, phase_args, strict=True):
+                ext.launch_phase(ctx, phase, a)
+            checked(cudart.cudaDeviceSynchronize())
+            got = ext.take_kernel_marks(ctx)
+            if not got:
+                raise SystemExit("no kernel marks: JAX_MOE_COMM_KERNEL_MARKS=1 must be set before the context is made")
+            rows.append(np.array(got, np.int64).reshape(len(PHASES), len(MARKS)))
+        marks = np.stack(rows[1:])  # the first trip also waits for the peer's start-up
+        print(f"rank {rank}: {config} T={tokens}, {'NVLink stores' if p2p else 'staged puts'}, median of "
+              f"{len(marks)} trips, us from the kernel's start (gap: from the previous kernel's end)")
+        print("\n".join(format_marks(marks)), flush=True)
+    finally:
+        mem.free()
+        ext.destroy_context(ctx)
+
+
 def shared_seed(rank: int, seed: int) -> int:
     """Rank 0's seed on every rank (every rank draws the same data), through jax.distributed's key-value store."""
     from jax._src import distributed
@@ -195,6 +267,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
     parser.add_argument("--only", default="", help="run the cases whose name contains this (alternatives: a|b)")
+    parser.add_argument("--marks", default="", metavar="T,T,...",
+                        help="instead of the cases: where each kernel's time goes (R1, these tokens per rank; sets "
+                             "JAX_MOE_COMM_KERNEL_MARKS=1)")
     parser.add_argument("--case-limit", type=float, default=280.0, help="seconds before a case that has not "
                         "returned dumps every stack and ends the rank (memcheck slows the kernels down)")
     args = parser.parse_args()
@@ -206,6 +281,12 @@ def main() -> int:
     if _native.ext.init(uid, rank, world, 0) != 0:
         raise SystemExit("NVSHMEM initialization failed")
     seed = shared_seed(rank, args.seed)
+    if args.marks:
+        os.environ["JAX_MOE_COMM_KERNEL_MARKS"] = "1"  # read when a context is made
+        for tokens in (int(t) for t in args.marks.split(",")):
+            marks_table(rank, world, "r1", tokens, trips=50)
+        _native.ext.finalize()
+        return 0
     passed = failed = 0
     for i, (name, (cfg, kind)) in enumerate(CASES.items()):
         if args.only and not any(p in name for p in args.only.split("|")):

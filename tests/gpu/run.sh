@@ -8,6 +8,7 @@
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
+#   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank)
 #   SANITIZE="case|case"        the kernel harness (tests/gpu/kernel_harness.py: no XLA on the GPU), plain and under
 #                               compute-sanitizer memcheck, then those cases under memcheck (NVLink path, then
 #                               staged path; SANITIZE_STAGED="0" the first alone; SANITIZE_BOOTSTRAP=extension;
@@ -109,6 +110,12 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
     grep "^\[rank 0\]" "$LOGS/trace_$i.log" | grep -v -E "W[0-9]{4}|GRPC|Source Location|grpc_util|^\[rank 0\] $" | tail -100 \
       | tee -a "$OUT/summary.txt"
   done
+fi
+if [ -n "${MARKS:-}" ]; then  # where each kernel's time goes (kernel harness, no XLA): MARKS="1,128"
+  step "kernel marks: R1, tokens $MARKS"
+  timeout 200 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py --marks "$MARKS" \
+    > "$LOGS/marks.log" 2>&1
+  grep -E "^\[rank [0-9]\] (rank|phase|dispatch|combine|no kernel)" "$LOGS/marks.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not leave GPU memory taken for later steps
   # SANITIZE_STARTUP=1: start-up alone under the sanitizer first (NVSHMEM init through each bootstrap, no kernel of
