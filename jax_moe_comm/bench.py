@@ -404,14 +404,17 @@ class Row:
     bytes: float | None = None
     rel_err: float | None = None
     error: str | None = None
+    note: str | None = None  # e.g. a time below this machine's timing resolution
 
     def record(self) -> dict:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "error"}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("error", "note")}
         for key in ("dispatch_us", "combine_us", "total_us", "gbps", "bytes"):
             if out[key] is not None:
                 out[key] = round(out[key], 3)
         if self.error:
             out["error"] = self.error
+        if self.note:
+            out["note"] = self.note
         return out
 
 
@@ -546,6 +549,9 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
         if nbytes and row.total_us:
             row.bytes = float(np.mean(nbytes))
             row.gbps = row.bytes / (row.total_us * 1e-6) / 1e9 if row.total_us > 0 else None
+        if row.total_us is not None and row.total_us <= 0:  # kept as measured, and said what it means
+            row.note = (f"below this machine's timing resolution: the {n}-chain took no longer than the 1-chain "
+                        "(a busy CPU's jitter exceeds the round trip)")
         if errors:
             row.error = "; ".join(f"{part}: {text}" if part in ("dispatch", "combine") else text
                                   for part, text in errors.items())
@@ -635,7 +641,8 @@ def format_table(rows: list[dict]) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
 
     lines = [(r["config"], str(r["tokens"]), r["backend"], num(r["total_us"]), num(r.get("dispatch_us")),
-              num(r.get("combine_us")), num(r.get("gbps"), 2), (r.get("error") or "")[:70]) for r in rows]
+              num(r.get("combine_us")), num(r.get("gbps"), 2), (r.get("error") or r.get("note") or "")[:70])
+             for r in rows]
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = lambda cells: "  ".join(c.rjust(w) if 2 < i < 7 else c.ljust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()

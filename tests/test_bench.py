@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -59,7 +60,10 @@ def test_quick_bench_runs_and_writes_the_record(quick_run):
         assert ROW_KEYS <= set(row), row
         if row["backend"] in ("reference", "padded"):
             assert row.get("error") is None, row
-            assert row["total_us"] > 0 and row["gbps"] is not None, row
+            # A time, with its bandwidth; on a busy CPU a round trip can be below the timing resolution (the
+            # chains' difference is then <= 0), which the row must say.
+            assert row["total_us"] is not None and math.isfinite(row["total_us"]), row
+            assert (row["total_us"] > 0 and row["gbps"] is not None) or "timing resolution" in row.get("note", ""), row
             assert row["dispatch_us"] is not None and row["combine_us"] is not None, row
             assert row["rel_err"] < 2e-2, row
         else:  # XLA:CPU has no ragged_all_to_all; a platform that has one must give a time
