@@ -195,6 +195,8 @@ def format_marks(marks: np.ndarray) -> list[str]:
             cells.append(f"{np.median(marks[stamped, i, j] - start[stamped]) / 1e3:8.1f}" if stamped.any()
                          else f"{'-':>8s}")
         lines.append(f"{phase:14s} {gap} " + " ".join(cells))
+    trip = np.median(marks[:, -1, 5] - marks[:, 0, 0]) / 1e3
+    lines.append(f"round trip (dispatch_send start to combine_recv end): {trip:.1f} us")
     return lines
 
 

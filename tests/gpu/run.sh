@@ -115,7 +115,7 @@ if [ -n "${MARKS:-}" ]; then  # where each kernel's time goes (kernel harness, n
   step "kernel marks: R1, tokens $MARKS"
   timeout 200 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py --marks "$MARKS" \
     > "$LOGS/marks.log" 2>&1
-  grep -E "^\[rank [0-9]\] (rank|phase|dispatch|combine|no kernel)" "$LOGS/marks.log" | tee -a "$OUT/summary.txt"
+  grep -E "^\[rank [0-9]\] (rank|phase|dispatch|combine|round trip|no kernel)" "$LOGS/marks.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not leave GPU memory taken for later steps
   # SANITIZE_STARTUP=1: start-up alone under the sanitizer first (NVSHMEM init through each bootstrap, no kernel of
