@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 BAD_EXPERT_ID = 1        # an id outside [-1, num_experts)
@@ -63,9 +64,10 @@ def first_failure(*statuses: Array) -> Array:
 
 def _raise_if_error(word, rank, after) -> None:
     del after
-    code, phase, a, b = (int(v) for v in word)
+    # As host values first: under an eager shard_map (jax 0.11) the callback gets arrays that cannot be iterated.
+    code, phase, a, b = (int(v) for v in np.asarray(word).reshape(-1)[:4])
     if code != 0:
-        raise MoECommError(describe(code, phase, int(rank), a, b))
+        raise MoECommError(describe(code, phase, int(np.asarray(rank)), a, b))
 
 
 def check(word: Array, rank: Array, after: Array) -> None:
