@@ -50,7 +50,8 @@ def test_training_on_8_cpu_devices_lowers_the_loss(tmp_path: Path) -> None:
 def test_nvshmem_backend_unavailable_is_a_clear_error() -> None:
     r = _run("--steps", "1", "--backend", "nvshmem")
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "jax_moe_comm.examples.train: error:" in r.stderr and "NVSHMEM" in r.stderr, r.stderr
+    # Either NVSHMEM is not up (extension built) or the extension is missing (CPU-only install): both name it.
+    assert "jax_moe_comm.examples.train: error:" in r.stderr and "nvshmem" in r.stderr.lower(), r.stderr
     assert "Traceback" not in r.stderr, r.stderr
 
 
