@@ -190,7 +190,7 @@ class MoEComm:
         """Starts sending expert outputs [capacity, H] back to their tokens' ranks (bf16/fp16/fp32, no wider
         than out_dtype). The weights [max_tokens, K] go either here or to combine_recv; given here, the NVSHMEM
         backend sums each token's rows on the expert side and sends one row per (token, expert rank) instead of
-        one per slot (bf16 rows for a bf16 output: within its rounding of the per-slot sum)."""
+        one per slot (rows in the output dtype: within its rounding of the per-slot sum)."""
         self._check_combine_args(expert_y, handle)
         if topk_weights is not None:
             self._check_weights(topk_weights)
