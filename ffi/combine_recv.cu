@@ -52,13 +52,13 @@ __device__ inline void add_slots(const Context& ctx, const int32_t* ids, const f
   }
   if (!wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, status, kCombineRecv, first_remote_peer)) return;
   const char* slots = ctx.combine_slots + static_cast<size_t>(t) * s.experts_per_token * s.combine_stride;
-  const auto row_of = [&](int k) {
+  const auto slot_row = [&](int k) {
     return reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
   };
   if (!vector) {
     for (unsigned m = live_mask; m; m &= m - 1) {
       const int k = __ffs(m) - 1;
-      add_chunk(acc, weights[k], row_of(k), false, cols);
+      add_chunk(acc, weights[k], slot_row(k), false, cols);
     }
     return;
   }
@@ -68,7 +68,7 @@ __device__ inline void add_slots(const Context& ctx, const int32_t* ids, const f
     Chunk<In> v[kSlotBatch];
 #pragma unroll
     for (int b = 0; b < kSlotBatch; ++b)
-      if (is_live(k0 + b)) v[b] = *reinterpret_cast<const Chunk<In>*>(row_of(k0 + b));
+      if (is_live(k0 + b)) v[b] = *reinterpret_cast<const Chunk<In>*>(slot_row(k0 + b));
 #pragma unroll
     for (int b = 0; b < kSlotBatch; ++b) {
       if (!is_live(k0 + b)) continue;
@@ -129,21 +129,13 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   }
 }
 
-template <typename In>
-void* kernel_for_out(int out_dtype) {
-  switch (out_dtype) {
-    case 0: return reinterpret_cast<void*>(combine_recv_kernel<In, __nv_bfloat16>);
-    case 1: return reinterpret_cast<void*>(combine_recv_kernel<In, __half>);
-    default: return reinterpret_cast<void*>(combine_recv_kernel<In, float>);
-  }
-}
-
+// The kernel instantiation for (row dtype in flight, output dtype).
 void* kernel_for(int in_dtype, int out_dtype) {
-  switch (in_dtype) {
-    case 0: return kernel_for_out<__nv_bfloat16>(out_dtype);
-    case 1: return kernel_for_out<__half>(out_dtype);
-    default: return kernel_for_out<float>(out_dtype);
-  }
+  return with_row_type(in_dtype, [&](auto in) {
+    return with_row_type(out_dtype, [](auto out) {
+      return reinterpret_cast<void*>(combine_recv_kernel<decltype(in), decltype(out)>);
+    });
+  });
 }
 
 }  // namespace

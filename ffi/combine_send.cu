@@ -13,6 +13,10 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kSegChunks = 4;  // pre-reduced rows: chunks per lane of one warp's work item (1024 bf16 columns)
+constexpr int kSegCols = 32 * kChunk * kSegChunks;
+
+// Column segments of a pre-reduced row (a warp's work item is one segment of one token).
+__host__ __device__ inline int row_segments(const Sizes& s) { return (s.hidden + kSegCols - 1) / kSegCols; }
 
 __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
   const Sizes& s = ctx.s;
@@ -113,8 +117,7 @@ __global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
   const int L = s.local_experts, H = s.hidden;
   const bool vector_ok = H % kChunk == 0 && (H * sizeof(In)) % 16 == 0;
   const bool vector_out = vector_ok && (H * sizeof(Partial)) % 16 == 0;
-  const int seg_cols = 32 * kChunk * kSegChunks;
-  const int segments = (H + seg_cols - 1) / seg_cols;
+  const int segments = row_segments(s);
   int arrivals = 0;  // numbered source by source
   for (int src = 0; src < s.world; ++src) arrivals += tokens_of(src);
   for (int item = gwarp; item < arrivals * segments; item += nwarps) {
@@ -140,7 +143,7 @@ __global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
       weights[live++] = ctx.combine_weights[slot * K + k];
     }
     if (local == 0) continue;
-    const auto col_of = [&](int u) { return seg * seg_cols + (u * 32 + lane) * kChunk; };
+    const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
     float acc[kSegChunks][kChunk] = {};
     for (int j = 0; j < live; ++j) {  // slots in order, like the reference
       const In* row = static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[j]) * H;
@@ -184,32 +187,23 @@ __global__ void combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
   }
 }
 
-template <typename In>
-void* reduced_kernel_for(int partial_dtype) {
-  switch (partial_dtype) {
-    case 0: return reinterpret_cast<void*>(combine_send_reduced_kernel<In, __nv_bfloat16>);
-    case 1: return reinterpret_cast<void*>(combine_send_reduced_kernel<In, __half>);
-    default: return reinterpret_cast<void*>(combine_send_reduced_kernel<In, float>);
-  }
-}
-
+// The pre-reduced kernel's instantiation for (expert_y dtype, partial row dtype).
 void* reduced_kernel_for(int in_dtype, int partial_dtype) {
-  switch (in_dtype) {
-    case 0: return reduced_kernel_for<__nv_bfloat16>(partial_dtype);
-    case 1: return reduced_kernel_for<__half>(partial_dtype);
-    default: return reduced_kernel_for<float>(partial_dtype);
-  }
+  return with_row_type(in_dtype, [&](auto in) {
+    return with_row_type(partial_dtype, [](auto partial) {
+      return reinterpret_cast<void*>(combine_send_reduced_kernel<decltype(in), decltype(partial)>);
+    });
+  });
 }
 
 }  // namespace
 
 cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cudaStream_t stream) {
-  if (a.topk_weights != nullptr) {  // pre-reduced: cooperative, at most one block per SM, a warp per token
+  if (a.topk_weights != nullptr) {  // pre-reduced: cooperative, at most one block per SM, a warp per segment
     Context c = ctx;
     CombineSendArgs args = a;
     void* params[] = {&c, &args};
-    const int segments = (ctx.s.hidden + 32 * kChunk * kSegChunks - 1) / (32 * kChunk * kSegChunks);
-    const int blocks = blocks_for(static_cast<long long>(ctx.s.world) * ctx.s.slots_per_source * segments,
+    const int blocks = blocks_for(static_cast<long long>(ctx.s.world) * ctx.s.slots_per_source * row_segments(ctx.s),
                                   kThreads / 32, ctx.s.sm_count);
     return cudaLaunchCooperativeKernel(reduced_kernel_for(a.in_dtype, a.partial_dtype), blocks, kThreads, params, 0,
                                        stream);

@@ -34,6 +34,17 @@ __device__ inline void add_chunk(float* acc, float w, const In* row, bool vector
   }
 }
 
+// Calls f with a value of the row type of a dtype code (0 bf16, 1 fp16, 2 fp32): the host picks a kernel's
+// instantiation, e.g. with_row_type(in, [](auto i) { return kernel<decltype(i)>; }).
+template <typename F>
+inline void* with_row_type(int code, F&& f) {
+  switch (code) {
+    case 0: return f(__nv_bfloat16{});
+    case 1: return f(__half{});
+    default: return f(float{});
+  }
+}
+
 // out[0..cols) = acc, converted to Out.
 template <typename Out>
 __device__ inline void store_chunk(Out* out, const float* acc, bool vector, int cols) {
