@@ -47,6 +47,10 @@ CASES = {
 }
 
 
+PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+MARKS = ("start", "waited", "worked", "closed", "all_done", "end")  # ffi/context.h, enum Mark
+
+
 def checked(result):
     err, *rest = result
     if err != cudart.cudaError_t.cudaSuccess:
@@ -67,11 +71,15 @@ class DeviceArrays:
         return ptr
 
     def put(self, host: np.ndarray) -> int:
+        ptr = self.alloc(np.asarray(host).nbytes)
+        self.set(ptr, host)
+        return ptr
+
+    @staticmethod
+    def set(ptr: int, host: np.ndarray) -> None:
         host = np.ascontiguousarray(host)
-        ptr = self.alloc(host.nbytes)
         if host.nbytes:
             checked(cudart.cudaMemcpy(ptr, host.ctypes.data, host.nbytes, cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
-        return ptr
 
     @staticmethod
     def get(ptr: int, shape, dtype) -> np.ndarray:
@@ -104,40 +112,55 @@ def reference_round_trip(cfg, world, x, ids, w, scales, counts):
     return jax.tree.map(np.asarray, out)
 
 
-def kernel_round_trip(ctx, p2p, cfg, geo_sizes, x, ids, w, scales, n):
-    """This rank's round trip through the four kernels (legacy default stream): the same outputs, this rank's part."""
+def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n):
+    """This rank's inputs on the device, zeroed outputs (expert_y too), and the four phases' launch_phase arguments
+    as the NVSHMEM backend's fused combine passes them: pre-reduced on the NVLink path, rows per slot otherwise.
+    Returns (phase arguments in phase order, {output name: device pointer})."""
     T, H = cfg.max_tokens, cfg.hidden
-    cap, L = geo_sizes["capacity"], geo_sizes["local_experts"]
+    cap, L = sizes["capacity"], sizes["local_experts"]
+    status = [mem.alloc(16) for _ in range(4)]
+    x_d, ids_d, w_d, n_d = mem.put(x.astype(cfg.dtype)), mem.put(ids), mem.put(w), mem.put(np.int32([n]))
+    scales_d = mem.put(scales if scales is not None else np.zeros((T, 0), np.float32))
+    out = dict(expert_x=mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize),
+               expert_scales=mem.alloc(cap * cfg.scale_cols * 4), group_sizes=mem.alloc(L * 4),
+               row_origin=mem.alloc(cap * 4),
+               expert_y=mem.alloc(cap * H * np.dtype(cfg.out_dtype).itemsize),
+               out=mem.alloc(T * H * np.dtype(cfg.out_dtype).itemsize))
+    code = _DTYPE_CODE[np.dtype(cfg.out_dtype)]
+    args = [
+        dict(x=x_d, scales=scales_d, topk_ids=ids_d, num_tokens=n_d, status=status[0]),
+        dict(expert_x=out["expert_x"], expert_scales=out["expert_scales"], group_sizes=out["group_sizes"],
+             row_origin=out["row_origin"], status=status[1]),
+        dict(expert_y=out["expert_y"], elem_bytes=np.dtype(cfg.out_dtype).itemsize, row_origin=out["row_origin"],
+             status=status[2], topk_weights=w_d if p2p else 0, in_dtype=code, partial_dtype=code),
+        dict(topk_ids=ids_d, topk_weights=w_d, num_tokens=n_d, out=out["out"], in_dtype=code, out_dtype=code,
+             status=status[3], reduced=int(p2p)),
+    ]
+    return args, dict(out, status=status)
+
+
+def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n):
+    """This rank's round trip through the four kernels (legacy default stream): the same outputs, this rank's part.
+    The stand-in expert runs on the host between dispatch_recv and combine_send."""
+    T, H = cfg.max_tokens, cfg.hidden
+    cap, L = sizes["capacity"], sizes["local_experts"]
     mem = DeviceArrays()
     try:
-        status = [mem.alloc(16) for _ in range(4)]
-        x_d, ids_d, w_d, n_d = mem.put(x.astype(cfg.dtype)), mem.put(ids), mem.put(w), mem.put(np.int32([n]))
-        scales_d = mem.put(scales if scales is not None else np.zeros((T, 0), np.float32))
+        args, out = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n)
         ext = _native.ext
-        ext.launch_phase(ctx, "dispatch_send", dict(x=x_d, scales=scales_d, topk_ids=ids_d, num_tokens=n_d,
-                                                    status=status[0]))
-        ex_d, es_d = mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize), mem.alloc(cap * cfg.scale_cols * 4)
-        gs_d, ro_d = mem.alloc(L * 4), mem.alloc(cap * 4)
-        ext.launch_phase(ctx, "dispatch_recv", dict(expert_x=ex_d, expert_scales=es_d, group_sizes=gs_d,
-                                                    row_origin=ro_d, status=status[1]))
+        for phase, a in zip(PHASES[:2], args[:2], strict=True):
+            ext.launch_phase(ctx, phase, a)
         checked(cudart.cudaDeviceSynchronize())
-        expert_x = DeviceArrays.get(ex_d, (cap, H), cfg.dtype)
-        y = (expert_x.astype(np.float32) * 1.5).astype(cfg.out_dtype)
-        y_d = mem.put(y)
-        code = _DTYPE_CODE[np.dtype(cfg.out_dtype)]
-        # As the NVSHMEM backend's fused combine: pre-reduced on the NVLink path, rows per slot otherwise.
-        ext.launch_phase(ctx, "combine_send", dict(expert_y=y_d, elem_bytes=y.itemsize, row_origin=ro_d,
-                                                   status=status[2], topk_weights=w_d if p2p else 0, in_dtype=code,
-                                                   partial_dtype=code))
-        out_d = mem.alloc(T * H * np.dtype(cfg.out_dtype).itemsize)
-        ext.launch_phase(ctx, "combine_recv", dict(topk_ids=ids_d, topk_weights=w_d, num_tokens=n_d, out=out_d,
-                                                   in_dtype=code, out_dtype=code, status=status[3],
-                                                   reduced=int(p2p)))
+        expert_x = DeviceArrays.get(out["expert_x"], (cap, H), cfg.dtype)
+        DeviceArrays.set(out["expert_y"], (expert_x.astype(np.float32) * 1.5).astype(cfg.out_dtype))
+        for phase, a in zip(PHASES[2:], args[2:], strict=True):
+            ext.launch_phase(ctx, phase, a)
         checked(cudart.cudaDeviceSynchronize())
-        return (expert_x, DeviceArrays.get(es_d, (cap, cfg.scale_cols), np.float32),
-                DeviceArrays.get(gs_d, (L,), np.int32), DeviceArrays.get(ro_d, (cap,), np.int32),
-                DeviceArrays.get(out_d, (T, H), cfg.out_dtype),
-                [DeviceArrays.get(s, (4,), np.int32) for s in status])
+        return (expert_x, DeviceArrays.get(out["expert_scales"], (cap, cfg.scale_cols), np.float32),
+                DeviceArrays.get(out["group_sizes"], (L,), np.int32),
+                DeviceArrays.get(out["row_origin"], (cap,), np.int32),
+                DeviceArrays.get(out["out"], (T, H), cfg.out_dtype),
+                [DeviceArrays.get(s, (4,), np.int32) for s in out["status"]])
     finally:
         mem.free()
 
@@ -179,10 +202,6 @@ def run_case(rank, world, seed, cfg, kind, repeats=2):
         _native.ext.destroy_context(ctx)
 
 
-PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-MARKS = ("start", "waited", "worked", "closed", "all_done", "end")  # ffi/context.h, enum Mark
-
-
 def format_marks(marks: np.ndarray) -> list[str]:
     """marks [trips, phase, mark] (globaltimer ns, 0 = not stamped): a row per phase, medians in µs."""
     lines = [f"{'phase':14s} {'gap':>7s} " + " ".join(f"{m:>8s}" for m in MARKS[1:])]
@@ -211,30 +230,16 @@ def marks_table(rank, world, config, tokens, trips):
     rng = np.random.default_rng(7)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
     ids = routing(rng, "uniform", world * T, cfg, world)[rank * T:(rank + 1) * T]
-    x = rng.standard_normal((T, H)).astype(np.float32).astype(cfg.dtype)
+    x = rng.standard_normal((T, H)).astype(np.float32)
     w = rng.random((T, K)).astype(np.float32)
     scales = (rng.random((T, cfg.scale_cols)) + 0.5).astype(np.float32)
     sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count())
-    cap, L = sizes["capacity"], sizes["local_experts"]
     ext = _native.ext
     ctx = ext.create_context(sizes)
     mem = DeviceArrays()
     try:
         p2p = bool(ext.context_p2p(ctx))
-        status = [mem.alloc(16) for _ in range(4)]
-        x_d, ids_d, w_d, n_d, sc_d = mem.put(x), mem.put(ids), mem.put(w), mem.put(np.int32([T])), mem.put(scales)
-        ex_d, es_d = mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize), mem.alloc(cap * cfg.scale_cols * 4)
-        gs_d, ro_d = mem.alloc(L * 4), mem.alloc(cap * 4)
-        y_d, out_d = mem.alloc(cap * H * 2), mem.alloc(T * H * 2)
-        code = _DTYPE_CODE[np.dtype(cfg.out_dtype)]
-        phase_args = [
-            dict(x=x_d, scales=sc_d, topk_ids=ids_d, num_tokens=n_d, status=status[0]),
-            dict(expert_x=ex_d, expert_scales=es_d, group_sizes=gs_d, row_origin=ro_d, status=status[1]),
-            dict(expert_y=y_d, elem_bytes=2, row_origin=ro_d, status=status[2], topk_weights=w_d if p2p else 0,
-                 in_dtype=code, partial_dtype=code),
-            dict(topk_ids=ids_d, topk_weights=w_d, num_tokens=n_d, out=out_d, in_dtype=code, out_dtype=code,
-                 status=status[3], reduced=int(p2p)),
-        ]
+        phase_args, _ = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, T)
         rows = []
         for _ in range(trips):
             for phase, a in zip(PHASES, phase_args, strict=True):

@@ -26,6 +26,13 @@ trap 'tar czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null' EXIT
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD
 step() { echo "=== $*" | tee -a "$OUT/summary.txt"; }
+# What compute-sanitizer reported in a log: memory errors (count, the first ones), API errors, each rank's summary.
+memcheck_summary() {
+  echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
+    "$1"); CUDA API errors reported: $(grep -c '========= Program hit' "$1")" | tee -a "$OUT/summary.txt"
+  grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$1" | head -12 | tee -a "$OUT/summary.txt"
+  grep -E "ERROR SUMMARY" "$1" | tee -a "$OUT/summary.txt"  # one line per rank's sanitizer
+}
 
 step "$(date -u +%FT%TZ) commit ${JMC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 nvidia-smi -L | tee -a "$OUT/summary.txt"
@@ -142,12 +149,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
         > "$log" 2>&1  # 60 s waits: memcheck slows one rank more than the other
       rc=$?
       grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
-      if [ $tool = memcheck ]; then
-        echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
-          "$log")" | tee -a "$OUT/summary.txt"
-        grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$log" | head -12 | tee -a "$OUT/summary.txt"
-        grep -E "ERROR SUMMARY" "$log" | tee -a "$OUT/summary.txt"
-      fi
+      [ $tool = memcheck ] && memcheck_summary "$log"
       step "kernel harness exit code $rc"
     done
   done
@@ -168,10 +170,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
       tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" --case-limit 280 > "$log" 2>&1
     rc=$?
     grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
-    echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
-      "$log"); CUDA API errors reported: $(grep -c '========= Program hit' "$log")" | tee -a "$OUT/summary.txt"
-    grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$log" | head -12 | tee -a "$OUT/summary.txt"
-    grep -E "ERROR SUMMARY" "$log" | tee -a "$OUT/summary.txt"  # one line per rank's sanitizer
+    memcheck_summary "$log"
     grep -v -E "=========|^\[rank 1\]" "$log" | tail -12 | tee -a "$OUT/summary.txt"  # how it ended
     step "sanitizer exit code $rc"
   done
