@@ -10,7 +10,8 @@
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
 #   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank)
 #   SANITIZE="case|case"        the kernel harness (tests/gpu/kernel_harness.py: no XLA on the GPU), plain and under
-#                               compute-sanitizer memcheck, then those cases under memcheck (NVLink path, then
+#                               compute-sanitizer (SANITIZE_TOOLS, default "memcheck"), XLA:GPU alone under memcheck,
+#                               then those cases under memcheck (NVLink path, then
 #                               staged path; SANITIZE_STAGED="0" the first alone; SANITIZE_BOOTSTRAP=extension;
 #                               SANITIZE_STARTUP=1 start-up alone first; SANITIZE_XLA_FLAGS for XLA under it)
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
@@ -26,12 +27,14 @@ trap 'tar czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null' EXIT
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD
 step() { echo "=== $*" | tee -a "$OUT/summary.txt"; }
-# What compute-sanitizer reported in a log: memory errors (count, the first ones), API errors, each rank's summary.
-memcheck_summary() {
-  echo "memory errors (Invalid/out of bounds/misaligned): $(grep -c -E '========= (Invalid|Out of bounds|Misaligned)' \
-    "$1"); CUDA API errors reported: $(grep -c '========= Program hit' "$1")" | tee -a "$OUT/summary.txt"
-  grep -E "========= (Invalid|Out of bounds|Misaligned)" -A3 "$1" | head -12 | tee -a "$OUT/summary.txt"
-  grep -E "ERROR SUMMARY" "$1" | tee -a "$OUT/summary.txt"  # one line per rank's sanitizer
+# What compute-sanitizer reported in a log: device-side errors (memory access, races, barriers, uninitialized reads:
+# count and the first ones), CUDA API errors, and each rank's summary line.
+sanitizer_summary() {
+  local found='========= (Invalid|Out of bounds|Misaligned|Error:|.*hazard|Barrier error|Uninitialized)'
+  echo "device-side errors: $(grep -c -E "$found" "$1"); CUDA API errors reported: $(grep -c '========= Program hit' \
+    "$1")" | tee -a "$OUT/summary.txt"
+  grep -E "$found" -A3 "$1" | head -12 | tee -a "$OUT/summary.txt"
+  grep -E "(ERROR|RACECHECK) SUMMARY" "$1" | tee -a "$OUT/summary.txt"  # one line per rank's sanitizer
 }
 
 step "$(date -u +%FT%TZ) commit ${JMC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -138,22 +141,37 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
   done
   # The kernel harness: round trips through the four kernels with JAX on the CPU (no XLA:GPU in the process),
   # checked against the reference; plain first (so a harness failure is not taken for the sanitizer's), then under
-  # memcheck, on both send paths.
+  # each of SANITIZE_TOOLS (default memcheck), on both send paths. NVSHMEM without its NCCL teams: at init NCCL
+  # queries kernels built for other GPUs (cudaFuncGetAttributes -> "no kernel image"), 24 API errors per rank that
+  # are NCCL's own; we use no NVSHMEM collective but barrier_all.
   for staged in 0 1; do
-    for tool in none memcheck; do
+    for tool in none ${SANITIZE_TOOLS:-memcheck}; do
       step "kernel harness (JAX_MOE_COMM_STAGED=$staged, sanitizer: $tool)"
       log="$LOGS/harness_staged${staged}_$tool.log"
-      wrap=""; [ $tool = memcheck ] && wrap=tests/gpu/under_sanitizer.py
+      wrap=""; [ $tool != none ] && wrap=tests/gpu/under_sanitizer.py
       if [ $staged = 1 ]; then export JAX_MOE_COMM_STAGED=1; else unset JAX_MOE_COMM_STAGED; fi
-      JAX_MOE_COMM_TIMEOUT_S=60 timeout 300 python3 -m jax_moe_comm.launch -n 2 -- $wrap tests/gpu/kernel_harness.py \
-        > "$log" 2>&1  # 60 s waits: memcheck slows one rank more than the other
+      SANITIZER_TOOL=$tool NVSHMEM_DISABLE_NCCL=1 JAX_MOE_COMM_TIMEOUT_S=60 timeout 300 \
+        python3 -m jax_moe_comm.launch -n 2 -- $wrap tests/gpu/kernel_harness.py \
+        > "$log" 2>&1  # 60 s waits: a sanitizer slows one rank more than the other
       rc=$?
       grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
-      [ $tool = memcheck ] && memcheck_summary "$log"
+      [ $tool != none ] && sanitizer_summary "$log"
       step "kernel harness exit code $rc"
     done
   done
   unset JAX_MOE_COMM_STAGED
+  # XLA:GPU alone under memcheck (one GPU, no jax_moe_comm imported): tells whether the XLA cases below can run
+  # under the sanitizer at all, whatever our kernels do.
+  step "compute-sanitizer memcheck: XLA:GPU alone (a jnp sum on one GPU, no jax_moe_comm)"
+  CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONFAULTHANDLER=1 \
+    XLA_FLAGS="${XLA_FLAGS:-} ${SANITIZE_XLA_FLAGS---xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=}" \
+    timeout 150 python3 tests/gpu/under_sanitizer.py -c \
+    "import jax, jax.numpy as jnp; print('XLA alone:', jax.devices(), float(jnp.arange(8.0).sum()))" \
+    > "$LOGS/sanitizer_xla_alone.log" 2>&1
+  rc=$?
+  grep -E "^XLA alone" "$LOGS/sanitizer_xla_alone.log" | tee -a "$OUT/summary.txt"
+  sanitizer_summary "$LOGS/sanitizer_xla_alone.log"
+  step "XLA:GPU alone under memcheck: exit code $rc"
   # SANITIZE_BOOTSTRAP=extension: the cases with the extension's own NVSHMEM init (no nvshmem4py / cuda-python).
   export JAX_MOE_COMM_BOOTSTRAP=${SANITIZE_BOOTSTRAP:-nvshmem4py}
   for staged in ${SANITIZE_STAGED:-0 1}; do  # the NVLink store path, then the staged put path
@@ -170,7 +188,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
       tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" --case-limit 280 > "$log" 2>&1
     rc=$?
     grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
-    memcheck_summary "$log"
+    sanitizer_summary "$log"
     grep -v -E "=========|^\[rank 1\]" "$log" | tail -12 | tee -a "$OUT/summary.txt"  # how it ended
     step "sanitizer exit code $rc"
   done
