@@ -56,6 +56,11 @@ class MoEComm:
         callback, which synchronizes the stream: 0.6-0.8 ms per round trip measured on 2xH200). With False nothing
         is raised; dispatch's errors stay readable in ``handle.status`` (see errors.py) and combine's are lost.
 
+    The fused ``combine`` gives the weights to combine_send (``combine_weights_at == "send"``: the NVSHMEM
+    backend's NVLink path then sums each token's rows on the expert side) when ``max_tokens`` is at least
+    JAX_MOE_COMM_PREREDUCE_MIN_TOKENS (default 64), else to combine_recv: below that the weights' own transfer costs
+    more than the rows it saves (benchmarks/NOTES.md). The reference backend gives the same result either way.
+
     One MoEComm carries one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv, then
     the next dispatch. Data dependencies give XLA that order within a round trip (and, with custom_vjp, between
     the forward and backward round trips); independent round trips need a MoEComm each (e.g. one per layer, and
@@ -86,6 +91,7 @@ class MoEComm:
                                  "gradients travel in that dtype)")
             if np.dtype(grad_dtype) not in COMBINE_DTYPES:
                 raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {np.dtype(grad_dtype).name}")
+        self.combine_weights_at = nvshmem_backend.combine_weights_at(cfg)
         if self.backend == "nvshmem":
             self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
         else:
@@ -214,10 +220,13 @@ class MoEComm:
         return self._combine_primal(expert_y, handle, topk_weights)
 
     def _combine_primal(self, expert_y, handle, topk_weights) -> Array:
-        # The weights go with the send: on the NVLink path the expert side then pre-reduces (one row per token
-        # and expert rank travels back instead of one per slot).
-        pending = self._impl.combine_send(self._plan, expert_y, handle, topk_weights)
-        return self._impl.combine_recv(self._plan, pending, None)
+        # combine_weights_at: with the send, the NVLink path pre-reduces on the expert side (one row per token and
+        # expert rank travels back instead of one per slot); with the receive, rows travel per slot.
+        if self.combine_weights_at == "send":
+            pending = self._impl.combine_send(self._plan, expert_y, handle, topk_weights)
+            return self._impl.combine_recv(self._plan, pending, None)
+        pending = self._impl.combine_send(self._plan, expert_y, handle, None)
+        return self._impl.combine_recv(self._plan, pending, topk_weights)
 
 
 # Global view --------------------------------------------------------------------------------------------

@@ -26,19 +26,32 @@ _registered = False
 
 
 def _register_targets() -> None:
-    """Registers the four handlers with XLA (once per process). With JAX_MOE_COMM_COMMAND_BUFFERS=1 (read here,
-    at the first NVSHMEM MoEComm) they are declared command-buffer compatible, so XLA may capture them into CUDA
-    graphs with the surrounding work: an experiment (benchmarks/NOTES.md), off by default until measured."""
+    """Registers the four handlers with XLA (once per process), declared command-buffer compatible so XLA may
+    capture them into CUDA graphs with the surrounding work (-4.5 us per round trip at 1 token on 2xH200, see
+    benchmarks/NOTES.md). JAX_MOE_COMM_COMMAND_BUFFERS=0 (read here, at the first NVSHMEM MoEComm) leaves them
+    out of command buffers."""
     global _registered
     if not _registered:
         extra = {}
-        if os.environ.get("JAX_MOE_COMM_COMMAND_BUFFERS") == "1":
+        if os.environ.get("JAX_MOE_COMM_COMMAND_BUFFERS", "1") != "0":
             from jax._src.lib import xla_client
 
             extra["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
         for name, capsule in _native.ext.handlers().items():
             jax.ffi.register_ffi_target(f"jmc_{name}", capsule, platform="CUDA", **extra)
         _registered = True
+
+
+def combine_weights_at(cfg: MoECommConfig) -> str:
+    """Where the fused combine gives the weights: "send" (expert-side pre-reduction on NVLink) from
+    JAX_MOE_COMM_PREREDUCE_MIN_TOKENS (default 64) tokens per rank, else "recv". At 1 token per rank on 2xH200
+    the pre-reduced combine took ~4 us longer (the weights' signal round trip), at 128 ~3 us shorter."""
+    text = os.environ.get("JAX_MOE_COMM_PREREDUCE_MIN_TOKENS", "64")
+    try:
+        threshold = int(text)
+    except ValueError:
+        raise ValueError(f"JAX_MOE_COMM_PREREDUCE_MIN_TOKENS must be an integer, got {text!r}") from None
+    return "send" if cfg.max_tokens >= threshold else "recv"
 
 
 def _round16(n: int) -> int:

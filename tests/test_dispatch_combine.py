@@ -320,6 +320,27 @@ def test_weights_go_to_exactly_one_combine_half():
             jax.eval_shape(per_shard(at_send, at_recv), x, ids)
 
 
+@pytest.mark.parametrize("threshold, weights_at", [(None, ["recv", "recv", "send"]), ("1", ["send"] * 3),
+                                                   ("129", ["recv"] * 3)])
+def test_fused_combine_sends_the_weights_from_the_prereduce_threshold(monkeypatch, threshold, weights_at):
+    """The fused combine gives the weights to combine_send (expert-side pre-reduction on NVLink) from
+    JAX_MOE_COMM_PREREDUCE_MIN_TOKENS tokens per rank (default 64) and to combine_recv below it."""
+    if threshold is not None:
+        monkeypatch.setenv("JAX_MOE_COMM_PREREDUCE_MIN_TOKENS", threshold)
+    else:
+        monkeypatch.delenv("JAX_MOE_COMM_PREREDUCE_MIN_TOKENS", raising=False)
+    mesh = ep_mesh(2)
+    got = [MoEComm(MoECommConfig(8, 2, 16, max_tokens), mesh, backend="reference").combine_weights_at
+           for max_tokens in (1, 63, 64 if threshold is None else 128)]
+    assert got == weights_at
+
+
+def test_prereduce_threshold_must_be_an_integer(monkeypatch):
+    monkeypatch.setenv("JAX_MOE_COMM_PREREDUCE_MIN_TOKENS", "many")
+    with pytest.raises(ValueError, match="JAX_MOE_COMM_PREREDUCE_MIN_TOKENS must be an integer, got 'many'"):
+        MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference")
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_global_view_equals_per_shard_calls(case, rng, seed, routing):
     """jax_moe_comm.dispatch/combine inside jit equal the per-shard calls inside a user shard_map, bit for bit

@@ -114,7 +114,8 @@ def reference_round_trip(cfg, world, x, ids, w, scales, counts):
 
 def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n):
     """This rank's inputs on the device, zeroed outputs (expert_y too), and the four phases' launch_phase arguments
-    as the NVSHMEM backend's fused combine passes them: pre-reduced on the NVLink path, rows per slot otherwise.
+    with the weights at combine_send on the NVLink path at any token count (so the pre-reduced kernels always run
+    here; the fused combine does that from JAX_MOE_COMM_PREREDUCE_MIN_TOKENS), rows per slot otherwise.
     Returns (phase arguments in phase order, {output name: device pointer})."""
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]

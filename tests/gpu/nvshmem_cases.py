@@ -66,7 +66,7 @@ def gather(tree):
     return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
 
 
-def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", check_split=False):
+def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full"):
     world = mesh.shape["ep"]
     rng = np.random.default_rng(seed)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
@@ -95,18 +95,18 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", check_spl
 
         d, y = round_trip(xg, ids_g, scales, n_g, w_g)
         results[backend] = gather((d, y))
-        if check_split and backend == "nvshmem":
+        if backend == "nvshmem":  # the split halves, weights on either side, against the fused calls
             for weights_at in ("send", "recv"):
                 split = jax.jit(jax.shard_map(
                     lambda x, ids, n, w, comm=comm, at=weights_at: split_halves(comm, x, ids, n, w, at), mesh=mesh,
                     in_specs=P("ep"), out_specs=P("ep")))
                 y_split = gather(split(xg, ids_g, n_g, w_g)).astype(np.float32)
                 y_fused = results[backend][1].astype(np.float32)
-                if weights_at == "send":  # the same transfers as the fused call (pre-reduced on NVLink)
-                    assert np.array_equal(y_split, y_fused), "split halves differ from fused calls"
-                else:  # rows per slot, summed on arrival: the same sum, another rounding
+                if weights_at == comm.combine_weights_at:  # the same transfers as the fused call
+                    assert np.array_equal(y_split, y_fused), f"split halves (weights at {weights_at}) differ from fused"
+                else:  # pre-reduced vs per slot: the same sum, another rounding
                     err = float(np.abs(y_split - y_fused).max() / max(np.abs(y_fused).max(), 1e-30))
-                    assert err <= TOLERANCE[np.dtype(cfg.out_dtype).name], f"split (per slot) rel err {err:.2e}"
+                    assert err <= TOLERANCE[np.dtype(cfg.out_dtype).name], f"split (at {weights_at}) rel err {err:.2e}"
         comm.close()
 
     (dn, yn), (dr, yr) = results["nvshmem"], results["reference"]
@@ -472,7 +472,7 @@ def main() -> int:
     C = jmc.MoECommConfig
     f32, bf16, f16, fp8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
     cases = [
-        ("fp32 K2", lambda s: run_case(mesh, s, "", C(8, 2, 128, 16, dtype=f32, out_dtype=f32), check_split=True)),
+        ("fp32 K2", lambda s: run_case(mesh, s, "", C(8, 2, 128, 16, dtype=f32, out_dtype=f32))),
         ("bf16 K8 E32", lambda s: run_case(mesh, s, "", C(32, 8, 256, 32, dtype=bf16))),
         ("fp16 K4", lambda s: run_case(mesh, s, "", C(16, 4, 128, 24, dtype=f16, out_dtype=f16))),
         ("fp8+scales K8 R1-like", lambda s: run_case(mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128))),
@@ -481,7 +481,7 @@ def main() -> int:
         ("align 8", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=bf16, align=8))),
         ("num_tokens 0", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32), num_tokens="zero")),
         ("num_tokens partial", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32),
-                                                  num_tokens="partial", check_split=True)),
+                                                  num_tokens="partial")),
         ("skewed: all to expert 0", lambda s: run_case(mesh, s, "", C(8, 3, 64, 32, dtype=bf16), kind="skewed")),
         ("a rank receives nothing", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=bf16), kind="rank0_only")),
         ("-1 slots", lambda s: run_case(mesh, s, "", C(8, 4, 64, 16, dtype=f32, out_dtype=f32), kind="dropped")),
