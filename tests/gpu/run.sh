@@ -30,7 +30,7 @@ step() { echo "=== $*" | tee -a "$OUT/summary.txt"; }
 # What compute-sanitizer reported in a log: device-side errors (memory access, races, barriers, uninitialized reads:
 # count and the first ones), CUDA API errors, and each rank's summary line.
 sanitizer_summary() {
-  local found='========= (Invalid|Out of bounds|Misaligned|Error:|.*hazard|Barrier error|Uninitialized)'
+  local found='========= (Invalid|Out of bounds|Misaligned|Error:|WARN|.*hazard detected|Barrier error|Uninitialized)'
   echo "device-side errors: $(grep -c -E "$found" "$1"); CUDA API errors reported: $(grep -c '========= Program hit' \
     "$1")" | tee -a "$OUT/summary.txt"
   grep -E "$found" -A3 "$1" | head -12 | tee -a "$OUT/summary.txt"
