@@ -98,9 +98,9 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full"):
         if backend == "nvshmem":  # the split halves, weights on either side, against the fused calls
             for weights_at in ("send", "recv"):
                 split = jax.jit(jax.shard_map(
-                    lambda x, ids, n, w, comm=comm, at=weights_at: split_halves(comm, x, ids, n, w, at), mesh=mesh,
-                    in_specs=P("ep"), out_specs=P("ep")))
-                y_split = gather(split(xg, ids_g, n_g, w_g)).astype(np.float32)
+                    lambda x, ids, sc, n, w, comm=comm, at=weights_at: split_halves(comm, x, ids, sc, n, w, at),
+                    mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+                y_split = gather(split(xg, ids_g, scales, n_g, w_g)).astype(np.float32)
                 y_fused = results[backend][1].astype(np.float32)
                 if weights_at == comm.combine_weights_at:  # the same transfers as the fused call
                     assert np.array_equal(y_split, y_fused), f"split halves (weights at {weights_at}) differ from fused"
@@ -127,10 +127,10 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full"):
     return f"rows {int(dr.group_sizes.sum())}, combine rel err {err:.1e}"
 
 
-def split_halves(comm, x, ids, n, w, weights_at="send"):
+def split_halves(comm, x, ids, scales, n, w, weights_at="send"):
     """dispatch_send; independent compute; dispatch_recv; combine_send; independent compute; combine_recv. The
     weights go to combine_send (pre-reduced on NVLink, like the fused call) or to combine_recv (rows per slot)."""
-    p = comm.dispatch_send(x, ids, None, n.reshape(()))
+    p = comm.dispatch_send(x, ids, scales, n.reshape(()))
     busy = jnp.tanh(x.astype(jnp.float32) @ x.astype(jnp.float32).T).sum()  # overlaps the transfer
     d = comm.dispatch_recv(p)
     y = (d.expert_x.astype(jnp.float32) * 1.5).astype(comm.cfg.out_dtype)
