@@ -48,7 +48,7 @@ CASES = {
 
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-MARKS = ("start", "waited", "worked", "closed", "all_done", "end")  # ffi/context.h, enum Mark
+MARKS = ("start", "waited", "worked", "closed", "all_done", "end", "step1", "step2")  # ffi/context.h, enum Mark
 
 
 def checked(result):
