@@ -51,6 +51,7 @@ __device__ inline void add_slots(const Context& ctx, const int32_t* ids, const f
     if (first_remote_peer == s.rank) first_remote_peer = peer;
   }
   if (!wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, status, kCombineRecv, first_remote_peer)) return;
+  mark(ctx, kCombineRecv, kStep1);  // block 0's (last) token's rows arrived
   const char* slots = ctx.combine_slots + static_cast<size_t>(t) * s.experts_per_token * s.combine_stride;
   const auto slot_row = [&](int k) {
     return reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
@@ -110,6 +111,7 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
         add_slots<In>(ctx, ids, a.topk_weights + static_cast<size_t>(t) * K, t, c0, acc, vector_ok, cols, status);
     }
     store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector_ok, cols);
+    mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
   }
 
   mark(ctx, kCombineRecv, kWorked);

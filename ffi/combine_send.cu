@@ -48,11 +48,13 @@ __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) {
     if (ctx.p2p) {  // NVLink: store the row straight into each replica's slot, then signal
       for (int j = 0; j < s.dp_size; ++j)
         warp_copy(nvshmem_ptr(dst, group * s.dp_size + j), row, row_bytes, lane);
+      mark(ctx, kCombineSend, kStep1);  // block 0's (last) row copied
       __threadfence_system();
       __syncwarp();
       if (lane == 0)
         for (int j = 0; j < s.dp_size; ++j)
           nvshmemx_signal_op(ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD, group * s.dp_size + j);
+      mark(ctx, kCombineSend, kStep2);  // and signalled
     } else {  // stage into symmetric memory: a put's source must be symmetric on other transports
       char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
       warp_copy(staged, row, row_bytes, lane);

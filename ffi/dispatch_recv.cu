@@ -92,6 +92,7 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
     }
   }
   __syncthreads();
+  mark(ctx, kDispatchRecv, kStep1);  // histogram done
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int rows = 0;
     for (int g = 0; g < G; ++g) rows += count[l * G + g];
@@ -109,6 +110,7 @@ __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
   }
   __syncthreads();
   const int packed_rows = expert_start[L];
+  mark(ctx, kDispatchRecv, kStep2);  // layout derived (scans done)
   if (blockIdx.x == 0) {
     for (int l = threadIdx.x; l < L; l += blockDim.x) a.group_sizes[l] = expert_start[l + 1] - expert_start[l];
     if (threadIdx.x == 0 && packed_rows > s.capacity)

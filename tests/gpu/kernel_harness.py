@@ -35,7 +35,7 @@ from nvshmem_cases import TOLERANCE, routing  # noqa: E402
 import jax_moe_comm as jmc  # noqa: E402
 from jax_moe_comm import _native, runtime  # noqa: E402
 from jax_moe_comm.launch import initialize_distributed  # noqa: E402
-from jax_moe_comm.nvshmem_backend import _DTYPE_CODE, kernel_sizes  # noqa: E402
+from jax_moe_comm.nvshmem_backend import _DTYPE_CODE, combine_weights_at, kernel_sizes  # noqa: E402
 
 C = jmc.MoECommConfig
 CASES = {
@@ -48,7 +48,7 @@ CASES = {
 
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-MARKS = ("start", "waited", "worked", "closed", "all_done", "end")  # ffi/context.h, enum Mark
+MARKS = ("start", "waited", "worked", "closed", "all_done", "end", "step1", "step2")  # ffi/context.h, enum Mark
 
 
 def checked(result):
@@ -112,11 +112,11 @@ def reference_round_trip(cfg, world, x, ids, w, scales, counts):
     return jax.tree.map(np.asarray, out)
 
 
-def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n):
+def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
     """This rank's inputs on the device, zeroed outputs (expert_y too), and the four phases' launch_phase arguments
-    with the weights at combine_send on the NVLink path at any token count (so the pre-reduced kernels always run
-    here; the fused combine does that from JAX_MOE_COMM_PREREDUCE_MIN_TOKENS), rows per slot otherwise.
-    Returns (phase arguments in phase order, {output name: device pointer})."""
+    with the weights at combine_send (`weights_at` "send": pre-reduced on the NVLink path, as the backend does) or at
+    combine_recv (rows per slot). Returns (phase arguments in phase order, {output name: device pointer})."""
+    reduced = p2p and weights_at == "send"
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
     status = [mem.alloc(16) for _ in range(4)]
@@ -133,21 +133,21 @@ def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n):
         dict(expert_x=out["expert_x"], expert_scales=out["expert_scales"], group_sizes=out["group_sizes"],
              row_origin=out["row_origin"], status=status[1]),
         dict(expert_y=out["expert_y"], elem_bytes=np.dtype(cfg.out_dtype).itemsize, row_origin=out["row_origin"],
-             status=status[2], topk_weights=w_d if p2p else 0, in_dtype=code, partial_dtype=code),
+             status=status[2], topk_weights=w_d if reduced else 0, in_dtype=code, partial_dtype=code),
         dict(topk_ids=ids_d, topk_weights=w_d, num_tokens=n_d, out=out["out"], in_dtype=code, out_dtype=code,
-             status=status[3], reduced=int(p2p)),
+             status=status[3], reduced=int(reduced)),
     ]
     return args, dict(out, status=status)
 
 
-def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n):
+def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
     """This rank's round trip through the four kernels (legacy default stream): the same outputs, this rank's part.
     The stand-in expert runs on the host between dispatch_recv and combine_send."""
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
     mem = DeviceArrays()
     try:
-        args, out = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n)
+        args, out = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at)
         ext = _native.ext
         for phase, a in zip(PHASES[:2], args[:2], strict=True):
             ext.launch_phase(ctx, phase, a)
@@ -181,9 +181,11 @@ def run_case(rank, world, seed, cfg, kind, repeats=2):
         p2p = bool(_native.ext.context_p2p(ctx))
         cap, L = sizes["capacity"], sizes["local_experts"]
         rows = slice(rank * T, (rank + 1) * T)
-        for _ in range(repeats):  # the second round trip reuses the buffers the first one reset
+        # Pre-reduced (NVLink only) and per slot, each `repeats` times: later round trips reuse the buffers the
+        # earlier ones reset.
+        for weights_at in ("send", "recv")[0 if p2p else 1:] * repeats:
             got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
-                                    None if scales is None else scales[rows], T)
+                                    None if scales is None else scales[rows], T, weights_at)
             expert_x, expert_scales, group_sizes, row_origin, y, status = got
             assert all(not s.any() for s in status), f"status words {status}"
             ref_sizes = ref[2][rank * L:(rank + 1) * L]
@@ -197,8 +199,10 @@ def run_case(rank, world, seed, cfg, kind, repeats=2):
             y32, ref32 = y.astype(np.float32), ref[4][rows].astype(np.float32)
             err = float(np.abs(y32 - ref32).max() / max(np.abs(ref32).max(), 1e-30))
             tol = TOLERANCE[np.dtype(cfg.out_dtype).name]
-            assert err <= tol, f"combine rel err {err:.2e} > {tol}"
-        return f"rows {used}, combine rel err {err:.1e}, {'NVLink stores' if p2p else 'staged puts'}, {repeats} trips"
+            assert err <= tol, f"combine rel err {err:.2e} (weights at combine_{weights_at}) > {tol}"
+        combines = "pre-reduced and per slot" if p2p else "per slot"
+        return (f"rows {used}, combine rel err {err:.1e}, {'NVLink stores' if p2p else 'staged puts'}, "
+                f"{repeats} trips {combines}")
     finally:
         _native.ext.destroy_context(ctx)
 
@@ -222,7 +226,8 @@ def format_marks(marks: np.ndarray) -> list[str]:
 
 def marks_table(rank, world, config, tokens, trips):
     """Where each kernel's time goes: `trips` round trips of the bench config at `tokens` per rank, the four kernels
-    queued back to back (expert_y is zeros: values do not matter here), each trip's kernel marks read after it.
+    queued back to back (expert_y is zeros: values do not matter here), each trip's kernel marks read after it. The
+    weights go where the fused combine gives them (JAX_MOE_COMM_PREREDUCE_MIN_TOKENS).
     Prints, per phase, the median µs from `start` to each later mark, and the median gap from the previous phase's
     `end` to this one's `start` (launch and queueing)."""
     from jax_moe_comm import bench
@@ -240,7 +245,8 @@ def marks_table(rank, world, config, tokens, trips):
     mem = DeviceArrays()
     try:
         p2p = bool(ext.context_p2p(ctx))
-        phase_args, _ = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, T)
+        weights_at = combine_weights_at(cfg)
+        phase_args, _ = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, T, weights_at)
         rows = []
         for _ in range(trips):
             for phase, a in zip(PHASES, phase_args, strict=True):
@@ -251,7 +257,8 @@ def marks_table(rank, world, config, tokens, trips):
                 raise SystemExit("no kernel marks: JAX_MOE_COMM_KERNEL_MARKS=1 must be set before the context is made")
             rows.append(np.array(got, np.int64).reshape(len(PHASES), len(MARKS)))
         marks = np.stack(rows[1:])  # the first trip also waits for the peer's start-up
-        print(f"rank {rank}: {config} T={tokens}, {'NVLink stores' if p2p else 'staged puts'}, median of "
+        print(f"rank {rank}: {config} T={tokens}, {'NVLink stores' if p2p else 'staged puts'}, weights at "
+              f"combine_{weights_at}, median of "
               f"{len(marks)} trips, us from the kernel's start (gap: from the previous kernel's end)")
         print("\n".join(format_marks(marks)), flush=True)
     finally:

@@ -8,7 +8,8 @@
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
-#   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank)
+#   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank);
+#                               MARKS_ENVS="A=1;B=2" repeats them under each of those environments
 #   SANITIZE="case|case"        the kernel harness (tests/gpu/kernel_harness.py: no XLA on the GPU), plain and under
 #                               compute-sanitizer (SANITIZE_TOOLS, default "memcheck"), XLA:GPU alone under memcheck,
 #                               then those cases under memcheck (NVLink path, then
@@ -122,10 +123,16 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
   done
 fi
 if [ -n "${MARKS:-}" ]; then  # where each kernel's time goes (kernel harness, no XLA): MARKS="1,128"
-  step "kernel marks: R1, tokens $MARKS"
-  timeout 200 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py --marks "$MARKS" \
-    > "$LOGS/marks.log" 2>&1
-  grep -E "^\[rank [0-9]\] (rank|phase|dispatch|combine|round trip|no kernel)" "$LOGS/marks.log" | tee -a "$OUT/summary.txt"
+  # MARKS_ENVS="A=1;B=2 C=3": the marks again under each of those environments (e.g. NVSHMEM settings).
+  IFS=';' read -ra mark_envs <<< "${MARKS_ENVS:-}"
+  for i in -1 "${!mark_envs[@]}"; do
+    extra=""; [ "$i" -ge 0 ] && extra=${mark_envs[$i]}
+    step "kernel marks: R1, tokens $MARKS${extra:+, with $extra}"
+    env $extra timeout 200 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py --marks "$MARKS" \
+      > "$LOGS/marks_$((i + 1)).log" 2>&1
+    grep -E "^\[rank [0-9]\] (rank|phase|dispatch|combine|round trip|no kernel)" "$LOGS/marks_$((i + 1)).log" \
+      | tee -a "$OUT/summary.txt"
+  done
 fi
 if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not leave GPU memory taken for later steps
   # SANITIZE_STARTUP=1: start-up alone under the sanitizer first (NVSHMEM init through each bootstrap, no kernel of
