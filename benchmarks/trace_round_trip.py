@@ -2,7 +2,7 @@
 GPU activity per kernel name and the device timeline of one chain call (rank 0; every rank with --all-ranks).
 
     python -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py --tokens 128 [--check] [--chain 4]
-        [--env JAX_MOE_COMM_COMMAND_BUFFERS=1] [--all-ranks]
+        [--env JAX_MOE_COMM_PREREDUCE_MIN_TOKENS=1] [--all-ranks]
 
 Needs CUPTI (shipped with jax's CUDA plugin); without it the trace holds host events only and this says so.
 """
@@ -56,7 +56,7 @@ def main() -> int:
     p.add_argument("--all-ranks", action="store_true",
                    help="every rank prints its report (a kernel that waits measures its peer's lateness too)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="set before the MoEComm is built, e.g. JAX_MOE_COMM_COMMAND_BUFFERS=1 (repeatable)")
+                   help="set before the MoEComm is built, e.g. JAX_MOE_COMM_PREREDUCE_MIN_TOKENS=1 (repeatable)")
     args = p.parse_args()
     for item in args.env:
         name, _, value = item.partition("=")
