@@ -19,7 +19,7 @@
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
-export NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 JAX_MOE_COMM_TIMEOUT_S=10 PYTHONUNBUFFERED=1
+export NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 JAX_MOE_COMM_TIMEOUT_S=${JAX_MOE_COMM_TIMEOUT_S:-10} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jmc_gpu_out}
 LOGS=${LOGS:-/tmp/jmc_gpu_logs}  # packed into $OUT/logs.tar.gz at exit (few files come back from a device call)
 mkdir -p "$OUT" "$LOGS"
