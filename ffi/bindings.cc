@@ -81,7 +81,7 @@ NB_MODULE(_nvshmem_ext, m) {
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
   m.def("take_kernel_marks", [](intptr_t ctx) {
     return jmc::take_kernel_marks(reinterpret_cast<jmc::Context*>(ctx));
-  }, "[phase * 6 + mark] globaltimer ns of the last round trip's kernel steps (JAX_MOE_COMM_KERNEL_MARKS=1 at "
+  }, "[phase * kMarks + mark] globaltimer ns of the last round trip's kernel steps (JAX_MOE_COMM_KERNEL_MARKS=1 at "
      "creation; else empty), cleared.");
   m.def("launch_phase", [](intptr_t ctx, const std::string& phase, const std::map<std::string, int64_t>& args,
                            intptr_t stream) {

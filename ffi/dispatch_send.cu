@@ -89,7 +89,7 @@ __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
     const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
     const int id = lane < K ? ids[lane] : -1;
     const int dest_of_lane = lane_dest(s, ids, lane);
-    mark(ctx, kDispatchSend, kStep1);  // the token's ids read (block 0's first token)
+    mark(ctx, kDispatchSend, kStep1);  // the token's ids read (block 0's last token)
     const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
     for (int d = 0; d < s.world; ++d) {
       if (d == 1) mark(ctx, kDispatchSend, kStep2);  // rank 0's copies issued

@@ -93,7 +93,7 @@ class Plan:
 
     geo: Geometry
     ctx: int
-    p2p: bool  # stores reach every peer (NVLink): the fused combine pre-reduces on the expert side
+    p2p: bool  # stores reach every peer (NVLink): combine_send pre-reduces when it gets the weights
 
 
 def create_plan(geo: Geometry, mesh) -> Plan:
