@@ -129,7 +129,7 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full"):
 
 def split_halves(comm, x, ids, scales, n, w, weights_at="send"):
     """dispatch_send; independent compute; dispatch_recv; combine_send; independent compute; combine_recv. The
-    weights go to combine_send (pre-reduced on NVLink, like the fused call) or to combine_recv (rows per slot)."""
+    weights go to combine_send (pre-reduced on NVLink) or to combine_recv (rows per slot)."""
     p = comm.dispatch_send(x, ids, scales, n.reshape(()))
     busy = jnp.tanh(x.astype(jnp.float32) @ x.astype(jnp.float32).T).sum()  # overlaps the transfer
     d = comm.dispatch_recv(p)
