@@ -94,6 +94,8 @@ NB_MODULE(_nvshmem_ext, m) {
         {"dispatch_send", nb::capsule(reinterpret_cast<void*>(jmc_dispatch_send))},
         {"dispatch_recv", nb::capsule(reinterpret_cast<void*>(jmc_dispatch_recv))},
         {"combine_send", nb::capsule(reinterpret_cast<void*>(jmc_combine_send))},
-        {"combine_recv", nb::capsule(reinterpret_cast<void*>(jmc_combine_recv))}};
+        {"combine_recv", nb::capsule(reinterpret_cast<void*>(jmc_combine_recv))},
+        {"dispatch", nb::capsule(reinterpret_cast<void*>(jmc_dispatch))},
+        {"combine", nb::capsule(reinterpret_cast<void*>(jmc_combine))}};
   }, "XLA FFI handler capsules for jax.ffi.register_ffi_target(..., platform='CUDA').");
 }

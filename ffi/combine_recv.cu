@@ -1,134 +1,12 @@
-// combine_recv: y[t] = sum over live slots k (in slot order) of w[t,k] * row(t,k), accumulated in fp32; or, when
-// combine_send pre-reduced, the sum of the token's partial rows over the ranks that hold its experts.
-// Each thread owns kChunk consecutive columns of one token row and waits for that token's live slots itself, so
-// every SM works even when one token is live (a warp per token walked 7168 columns serially: ~750 us). The last
-// block to finish resets the arrival counters. Then the one global barrier: wait for every
-// peer's sync flag (it has finished reading the dispatch buffers this rank writes next) and reset it.
-#include "device_common.cuh"
-#include "dtypes.cuh"
+// combine_recv's kernel (the phase itself: combine_recv.cuh) and its launch.
+#include "combine_recv.cuh"
 
 namespace jmc {
 namespace {
 
-constexpr int kSlotBatch = 4;  // slots whose chunks a thread loads before it adds them (loads in flight)
-
-// Pre-reduced rows: acc += the partial rows of token t from each rank hosting one of its live slots, ranks in
-// ascending order (partial rows have the type In).
-template <typename In>
-__device__ inline void add_partials(const Context& ctx, const int32_t* ids, int t, int c0, float* acc, bool vector,
-                                    int cols) {
-  const Sizes& s = ctx.s;
-  int ranks[kMaxExpertsPerToken];
-  int n = 0;
-  for (int k = 0; k < s.experts_per_token; ++k) {
-    if (!slot_is_live(ids, k, s.num_experts)) continue;
-    const int r = ids[k] / s.local_experts;
-    int j = n;  // insertion into the sorted, distinct list
-    while (j > 0 && ranks[j - 1] > r) --j;
-    if (j > 0 && ranks[j - 1] == r) continue;
-    for (int m = n; m > j; --m) ranks[m] = ranks[m - 1];
-    ranks[j] = r;
-    ++n;
-  }
-  for (int j = 0; j < n; ++j) {
-    const char* row = ctx.combine_partials + (static_cast<size_t>(ranks[j]) * s.max_tokens + t) * s.combine_stride;
-    add_chunk(acc, 1.f, reinterpret_cast<const In*>(row) + c0, vector, cols);
-  }
-}
-
-// Rows per slot: waits for token t's live slots, then acc += w[k] * row(t, k), slots in order 0..K-1 like the
-// reference.
-template <typename In>
-__device__ inline void add_slots(const Context& ctx, const int32_t* ids, const float* weights, int t, int c0,
-                                 float* acc, bool vector, int cols, int32_t* status) {
-  const Sizes& s = ctx.s;
-  unsigned live_mask = 0;
-  int first_remote_peer = s.rank;
-  for (int k = 0; k < s.experts_per_token; ++k) {
-    if (!slot_is_live(ids, k, s.num_experts)) continue;
-    live_mask |= 1u << k;
-    const int peer = ids[k] / s.local_experts;
-    if (first_remote_peer == s.rank) first_remote_peer = peer;
-  }
-  if (!wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, status, kCombineRecv, first_remote_peer)) return;
-  mark(ctx, kCombineRecv, kStep1);  // block 0's (last) token's rows arrived
-  const char* slots = ctx.combine_slots + static_cast<size_t>(t) * s.experts_per_token * s.combine_stride;
-  const auto slot_row = [&](int k) {
-    return reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
-  };
-  if (!vector) {
-    for (unsigned m = live_mask; m; m &= m - 1) {
-      const int k = __ffs(m) - 1;
-      add_chunk(acc, weights[k], slot_row(k), false, cols);
-    }
-    return;
-  }
-  // kSlotBatch slots' chunks are loaded before any is added (loads in flight); slots are still added in order.
-  const auto is_live = [&](int k) { return k < s.experts_per_token && (live_mask >> k & 1u); };
-  for (int k0 = 0; k0 < s.experts_per_token; k0 += kSlotBatch) {
-    Chunk<In> v[kSlotBatch];
-#pragma unroll
-    for (int b = 0; b < kSlotBatch; ++b)
-      if (is_live(k0 + b)) v[b] = *reinterpret_cast<const Chunk<In>*>(slot_row(k0 + b));
-#pragma unroll
-    for (int b = 0; b < kSlotBatch; ++b) {
-      if (!is_live(k0 + b)) continue;
-      const float w = weights[k0 + b];
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) acc[j] += w * to_float(v[b].v[j]);
-    }
-  }
-}
-
 template <typename In, typename Out>
 __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
-  const Sizes& s = ctx.s;
-  int32_t* status = phase_status(ctx, kCombineRecv);
-  if (!begin_phase(ctx, kCombineRecv, a.status)) return;
-  const int K = s.experts_per_token;
-  const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
-  const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
-  // Whole-chunk vector loads/stores need every row start 16-byte aligned (slot rows are; output rows need this).
-  const bool vector_ok = s.hidden % kChunk == 0 && (s.hidden * sizeof(Out)) % 16 == 0;
-  const size_t items = static_cast<size_t>(s.max_tokens) * chunks_per_row;
-  if (a.reduced) {  // one partial row per expert rank, all signalled at once by each rank's combine_send
-    if (threadIdx.x < s.world) wait_at_least(ctx.partials_ready + threadIdx.x, 1, s, status, kCombineRecv, threadIdx.x);
-    __syncthreads();
-    mark(ctx, kCombineRecv, kWaited);
-  }
-
-  for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
-       item += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const int t = static_cast<int>(item / chunks_per_row);
-    const int c0 = static_cast<int>(item % chunks_per_row) * kChunk;
-    const int cols = min(kChunk, s.hidden - c0);
-    float acc[kChunk] = {};
-    if (t < num_tokens) {
-      const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
-      if (a.reduced)
-        add_partials<In>(ctx, ids, t, c0, acc, vector_ok, cols);
-      else
-        add_slots<In>(ctx, ids, a.topk_weights + static_cast<size_t>(t) * K, t, c0, acc, vector_ok, cols, status);
-    }
-    store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector_ok, cols);
-    mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
-  }
-
-  mark(ctx, kCombineRecv, kWorked);
-
-  // The global barrier (block 0, one thread per peer).
-  if (blockIdx.x == 0 && threadIdx.x < s.world && threadIdx.x != s.rank) {
-    if (wait_at_least(ctx.sync_flags + threadIdx.x, 1, s, status, kCombineRecv, threadIdx.x))
-      ctx.sync_flags[threadIdx.x] = 0;
-  }
-
-  // Every block has read its tokens' counters: the last one resets them for the next round trip (peers add to
-  // them again only after our next dispatch_send, which the stream runs after this kernel).
-  if (finish_phase(ctx, kCombineRecv, a.status)) {
-    for (int t = threadIdx.x; t < s.max_tokens; t += blockDim.x) ctx.combine_arrived[t] = 0;
-    for (int r = threadIdx.x; r < s.world; r += blockDim.x) ctx.weights_ready[r] = ctx.partials_ready[r] = 0;
-    mark(ctx, kCombineRecv, kEnd, true);
-  }
+  if (begin_phase(ctx, kCombineRecv, a.status)) receive_combined<In, Out>(ctx, a);
 }
 
 // The kernel instantiation for (row dtype in flight, output dtype).
@@ -143,12 +21,11 @@ void* kernel_for(int in_dtype, int out_dtype) {
 }  // namespace
 
 cudaError_t launch_combine_recv(const Context& ctx, const CombineRecvArgs& a, cudaStream_t stream) {
-  const size_t items = static_cast<size_t>(ctx.s.max_tokens) * ((ctx.s.hidden + kChunk - 1) / kChunk);
   Context c = ctx;
   CombineRecvArgs args = a;
   void* params[] = {&c, &args};
-  return cudaLaunchKernel(kernel_for(a.in_dtype, a.out_dtype), blocks_for(items, kThreads, 8 * ctx.s.sm_count),
-                          kThreads, params, 0, stream);
+  return cudaLaunchKernel(kernel_for(a.in_dtype, a.out_dtype), combine_recv_blocks(ctx.s), kThreads, params, 0,
+                          stream);
 }
 
 }  // namespace jmc

@@ -116,9 +116,10 @@ __device__ inline int32_t* phase_status(const Context& ctx, Phase phase) {
 }
 
 // Called by every thread at the end of a phase's kernel: the last block to finish copies the errors recorded by
-// all blocks to the call's status output, clears the scratch for the next call and, if the phase ran (in order),
-// moves the protocol on. Returns true in that block.
-__device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* out, bool ran = true) {
+// all blocks to the call's status output, clears the scratch for the next call and, with `advance`, moves the
+// protocol on (not when the phase did not run; nor after a fused kernel's send: its receive moves it on past both
+// phases, so no two blocks' writes of next_phase race). Returns true in that block.
+__device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* out, bool advance = true) {
   if (!last_block_done(ctx.blocks_done + phase)) return false;
   mark(ctx, phase, kAllDone, true);
   volatile int32_t* scratch = phase_status(ctx, phase);
@@ -128,7 +129,7 @@ __device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* ou
   }
   if (threadIdx.x == 0) {
     ctx.blocks_done[phase] = 0;
-    if (ran) *ctx.next_phase = (phase + 1) % kPhases;
+    if (advance) *ctx.next_phase = (phase + 1) % kPhases;
   }
   return true;
 }
@@ -153,7 +154,7 @@ inline int blocks_for(long long work, int per_block, int cap) {
   return static_cast<int>(b < 1 ? 1 : (b > cap ? cap : b));
 }
 
-// Launch helpers (host side), one per phase; each returns the CUDA error of its launch.
+// Launch helpers (host side), one per phase and one per fused direction; each returns the CUDA error of its launch.
 struct DispatchSendArgs {
   const void* x; const float* scales; const int32_t* topk_ids; const int32_t* num_tokens; int32_t* status;
 };
@@ -175,5 +176,10 @@ cudaError_t launch_dispatch_send(const Context& ctx, const DispatchSendArgs& a, 
 cudaError_t launch_dispatch_recv(const Context& ctx, const DispatchRecvArgs& a, cudaStream_t stream);
 cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cudaStream_t stream);
 cudaError_t launch_combine_recv(const Context& ctx, const CombineRecvArgs& a, cudaStream_t stream);
+// The fused halves (NVLink path only, else cudaErrorNotSupported): one cooperative kernel per direction.
+cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, const DispatchRecvArgs& recv,
+                            cudaStream_t stream);
+cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, const CombineRecvArgs& recv,
+                           cudaStream_t stream);
 
 }  // namespace jmc

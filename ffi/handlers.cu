@@ -64,6 +64,33 @@ ffi::Error CombineRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status*
   return launched(launch_combine_recv(context_of(context), a, stream), "combine_recv");
 }
 
+// The fused dispatch (NVLink path): dispatch_send's arguments, dispatch_recv's results and both statuses.
+ffi::Error Dispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> topk_ids,
+                    ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> expert_x,
+                    ffi::Result<ffi::Buffer<ffi::F32>> expert_scales, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                    ffi::Result<ffi::Buffer<ffi::S32>> row_origin, ffi::Result<ffi::Buffer<ffi::S32>> send_status,
+                    ffi::Result<ffi::Buffer<ffi::S32>> recv_status, int64_t context) {
+  DispatchSendArgs send{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
+                        send_status->typed_data()};
+  DispatchRecvArgs recv{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
+                        row_origin->typed_data(), recv_status->typed_data()};
+  return launched(launch_dispatch(context_of(context), send, recv, stream), "dispatch");
+}
+
+// The fused combine (NVLink path); `reduced`: pre-reduce on the expert side (partial rows in out's dtype).
+ffi::Error Combine(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> row_origin,
+                   ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> send_status,
+                   ffi::Result<ffi::Buffer<ffi::S32>> recv_status, int64_t context, int64_t reduced) {
+  const int in_dtype = dtype_code(expert_y.element_type()), out_dtype = dtype_code(out->element_type());
+  CombineSendArgs send{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
+                       row_origin.typed_data(), send_status->typed_data(),
+                       reduced ? topk_weights.typed_data() : nullptr, in_dtype, out_dtype};
+  CombineRecvArgs recv{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
+                       reduced ? out_dtype : in_dtype, out_dtype, recv_status->typed_data(), reduced != 0};
+  return launched(launch_combine(context_of(context), send, recv, stream), "combine");
+}
+
 }  // namespace
 }  // namespace jmc
 
@@ -109,4 +136,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("in_dtype")
+                                  .Attr<int64_t>("reduced"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch, jmc::Dispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("context"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine, jmc::Combine,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("context")
                                   .Attr<int64_t>("reduced"));

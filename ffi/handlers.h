@@ -1,4 +1,4 @@
-// The four XLA FFI handler symbols (C ABI), registered from Python through nanobind capsules.
+// The XLA FFI handler symbols (C ABI), registered from Python through nanobind capsules.
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
@@ -8,4 +8,6 @@ XLA_FFI_Error* jmc_dispatch_send(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jmc_dispatch_recv(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jmc_combine_send(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jmc_combine_recv(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jmc_dispatch(XLA_FFI_CallFrame* call_frame);  // the fused halves (NVLink path)
+XLA_FFI_Error* jmc_combine(XLA_FFI_CallFrame* call_frame);
 }

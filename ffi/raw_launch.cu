@@ -1,6 +1,6 @@
-// The four phases without XLA: the same launch helpers the FFI handlers call, given device pointers as integers.
-// tests/gpu/kernel_harness.py runs a round trip through them with no XLA:GPU in the process (so compute-sanitizer
-// sees our kernels and NVSHMEM alone).
+// The four phases and the two fused halves without XLA: the same launch helpers the FFI handlers call, given device
+// pointers as integers. tests/gpu/kernel_harness.py runs round trips through them with no XLA:GPU in the process
+// (so compute-sanitizer sees our kernels and NVSHMEM alone).
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -11,41 +11,61 @@
 namespace jmc {
 namespace {
 
-int64_t arg(const std::map<std::string, int64_t>& a, const char* name) {
+using Args = std::map<std::string, int64_t>;
+
+int64_t arg(const Args& a, const char* name) {
   auto it = a.find(name);
   if (it == a.end()) throw std::invalid_argument(std::string("launch_phase: missing argument ") + name);
   return it->second;
 }
 
 template <typename T>
-T* ptr(const std::map<std::string, int64_t>& a, const char* name) {
+T* ptr(const Args& a, const char* name) {
   return reinterpret_cast<T*>(static_cast<intptr_t>(arg(a, name)));
+}
+
+// Each phase's arguments; `status` names the status output (the fused calls have two).
+DispatchSendArgs dispatch_send_args(const Args& a, const char* status) {
+  return {ptr<const void>(a, "x"), ptr<const float>(a, "scales"), ptr<const int32_t>(a, "topk_ids"),
+          ptr<const int32_t>(a, "num_tokens"), ptr<int32_t>(a, status)};
+}
+
+DispatchRecvArgs dispatch_recv_args(const Args& a, const char* status) {
+  return {ptr<void>(a, "expert_x"), ptr<float>(a, "expert_scales"), ptr<int32_t>(a, "group_sizes"),
+          ptr<int32_t>(a, "row_origin"), ptr<int32_t>(a, status)};
+}
+
+CombineSendArgs combine_send_args(const Args& a, const char* status) {  // prereduce_weights 0: rows per slot
+  return {ptr<const void>(a, "expert_y"), static_cast<int>(arg(a, "elem_bytes")), ptr<const int32_t>(a, "row_origin"),
+          ptr<int32_t>(a, status), ptr<const float>(a, "prereduce_weights"), static_cast<int>(arg(a, "in_dtype")),
+          static_cast<int>(arg(a, "partial_dtype"))};
+}
+
+CombineRecvArgs combine_recv_args(const Args& a, const char* status) {
+  return {ptr<const int32_t>(a, "topk_ids"), ptr<const float>(a, "topk_weights"), ptr<const int32_t>(a, "num_tokens"),
+          ptr<void>(a, "out"), static_cast<int>(arg(a, "rows_dtype")), static_cast<int>(arg(a, "out_dtype")),
+          ptr<int32_t>(a, status), arg(a, "reduced") != 0};
 }
 
 }  // namespace
 
-std::string launch_phase(Context* ctx, const std::string& phase, const std::map<std::string, int64_t>& a,
-                         intptr_t stream_handle) {
+std::string launch_phase(Context* ctx, const std::string& phase, const Args& a, intptr_t stream_handle) {
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   cudaError_t err;
   if (phase == "dispatch_send") {
-    err = launch_dispatch_send(*ctx, {ptr<const void>(a, "x"), ptr<const float>(a, "scales"),
-                                      ptr<const int32_t>(a, "topk_ids"), ptr<const int32_t>(a, "num_tokens"),
-                                      ptr<int32_t>(a, "status")}, stream);
+    err = launch_dispatch_send(*ctx, dispatch_send_args(a, "status"), stream);
   } else if (phase == "dispatch_recv") {
-    err = launch_dispatch_recv(*ctx, {ptr<void>(a, "expert_x"), ptr<float>(a, "expert_scales"),
-                                      ptr<int32_t>(a, "group_sizes"), ptr<int32_t>(a, "row_origin"),
-                                      ptr<int32_t>(a, "status")}, stream);
-  } else if (phase == "combine_send") {  // topk_weights 0: rows per slot
-    err = launch_combine_send(*ctx, {ptr<const void>(a, "expert_y"), static_cast<int>(arg(a, "elem_bytes")),
-                                     ptr<const int32_t>(a, "row_origin"), ptr<int32_t>(a, "status"),
-                                     ptr<const float>(a, "topk_weights"), static_cast<int>(arg(a, "in_dtype")),
-                                     static_cast<int>(arg(a, "partial_dtype"))}, stream);
+    err = launch_dispatch_recv(*ctx, dispatch_recv_args(a, "status"), stream);
+  } else if (phase == "combine_send") {
+    err = launch_combine_send(*ctx, combine_send_args(a, "status"), stream);
   } else if (phase == "combine_recv") {
-    err = launch_combine_recv(*ctx, {ptr<const int32_t>(a, "topk_ids"), ptr<const float>(a, "topk_weights"),
-                                     ptr<const int32_t>(a, "num_tokens"), ptr<void>(a, "out"),
-                                     static_cast<int>(arg(a, "in_dtype")), static_cast<int>(arg(a, "out_dtype")),
-                                     ptr<int32_t>(a, "status"), arg(a, "reduced") != 0}, stream);
+    err = launch_combine_recv(*ctx, combine_recv_args(a, "status"), stream);
+  } else if (phase == "dispatch") {  // fused: both phases' arguments, statuses send_status and recv_status
+    const DispatchSendArgs send = dispatch_send_args(a, "send_status");  // the send's missing arguments first
+    err = launch_dispatch(*ctx, send, dispatch_recv_args(a, "recv_status"), stream);
+  } else if (phase == "combine") {
+    const CombineSendArgs send = combine_send_args(a, "send_status");
+    err = launch_combine(*ctx, send, combine_recv_args(a, "recv_status"), stream);
   } else {
     throw std::invalid_argument("launch_phase: unknown phase " + phase);
   }

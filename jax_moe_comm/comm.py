@@ -60,6 +60,8 @@ class MoEComm:
     backend's NVLink path then sums each token's rows on the expert side) when ``max_tokens`` is at least
     JAX_MOE_COMM_PREREDUCE_MIN_TOKENS (default 64), else to combine_recv: below that the weights' own transfer costs
     more than the rows it saves (benchmarks/NOTES.md). The reference backend gives the same result either way.
+    On the NVSHMEM backend's NVLink path the fused ``dispatch`` and ``combine`` run one kernel each (send, then
+    receive), the split halves two (JAX_MOE_COMM_FUSED=0 splits the fused calls too); the results are the same.
 
     One MoEComm carries one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv, then
     the next dispatch. Data dependencies give XLA that order within a round trip (and, with custom_vjp, between
@@ -189,8 +191,7 @@ class MoEComm:
         return self._dispatch_primal(x, topk_ids, scales, num_tokens)
 
     def _dispatch_primal(self, x, topk_ids, scales, num_tokens) -> Dispatched:
-        return self._impl.dispatch_recv(self._plan, self._impl.dispatch_send(self._plan, x, topk_ids, scales,
-                                                                             num_tokens))
+        return self._impl.dispatch(self._plan, x, topk_ids, scales, num_tokens)
 
     def combine_send(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None):
         """Starts sending expert outputs [capacity, H] back to their tokens' ranks (bf16/fp16/fp32, no wider
@@ -222,11 +223,7 @@ class MoEComm:
     def _combine_primal(self, expert_y, handle, topk_weights) -> Array:
         # combine_weights_at: with the send, the NVLink path pre-reduces on the expert side (one row per token and
         # expert rank travels back instead of one per slot); with the receive, rows travel per slot.
-        if self.combine_weights_at == "send":
-            pending = self._impl.combine_send(self._plan, expert_y, handle, topk_weights)
-            return self._impl.combine_recv(self._plan, pending, None)
-        pending = self._impl.combine_send(self._plan, expert_y, handle, None)
-        return self._impl.combine_recv(self._plan, pending, topk_weights)
+        return self._impl.combine(self._plan, expert_y, handle, topk_weights, self.combine_weights_at)
 
 
 # Global view --------------------------------------------------------------------------------------------

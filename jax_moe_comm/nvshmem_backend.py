@@ -1,6 +1,7 @@
 """The NVSHMEM backend: the four phases as XLA FFI custom calls on the CUDA kernels in ``ffi/``.
 
-Same signatures, layout and handle as ``reference``. Each phase is a ``jax.ffi.ffi_call`` (a JAX primitive with
+Same signatures, layout and handle as ``reference``; the fused ``dispatch`` and ``combine`` are one custom call
+each on the NVLink path (one kernel: send, then receive). Each phase is a ``jax.ffi.ffi_call`` (a JAX primitive with
 its abstract shapes and CUDA lowering) with ``has_side_effect=True`` so XLA never drops or merges it; the order
 comes from data: dispatch_send's status feeds dispatch_recv, whose row_origin feeds combine_send, whose status
 feeds combine_recv. A MoEComm's calls must form one protocol at a time (see MoEComm).
@@ -94,6 +95,7 @@ class Plan:
     geo: Geometry
     ctx: int
     p2p: bool  # stores reach every peer (NVLink): combine_send pre-reduces when it gets the weights
+    fused: bool  # the fused dispatch and combine run one kernel each (NVLink path, JAX_MOE_COMM_FUSED != "0")
 
 
 def create_plan(geo: Geometry, mesh) -> Plan:
@@ -114,7 +116,18 @@ def create_plan(geo: Geometry, mesh) -> Plan:
     _register_targets()
     sizes = kernel_sizes(cfg, geo.world, rt.rank, _native.ext.sm_count())
     ctx = _native.ext.create_context(sizes)
-    return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)))
+    p2p = bool(_native.ext.context_p2p(ctx))
+    return Plan(geo, ctx, p2p, p2p and fused_halves_enabled())
+
+
+def fused_halves_enabled() -> bool:
+    """JAX_MOE_COMM_FUSED (read when a MoEComm is made; default "1"): on the NVLink path the fused ``dispatch`` and
+    ``combine`` each run as one kernel (send, then receive) instead of two: one launch, one start and one close
+    fewer per direction. "0" runs them as their two halves' kernels (the same results, bit for bit)."""
+    text = os.environ.get("JAX_MOE_COMM_FUSED", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"JAX_MOE_COMM_FUSED must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def destroy_plan(plan: Plan) -> None:
@@ -169,25 +182,42 @@ def _rank(plan: Plan) -> Array:
 
 
 def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> PendingDispatch:
-    if scales is None:
-        scales = jnp.zeros((plan.geo.T, 0), jnp.float32)
-    status = _call("dispatch_send", _STATUS, plan, x, scales, topk_ids, num_tokens)
+    status = _call("dispatch_send", _STATUS, plan, x, _scales_arg(plan, scales), topk_ids, num_tokens)
     return PendingDispatch(status, topk_ids, num_tokens)
 
 
-def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
+def _scales_arg(plan: Plan, scales: Array | None) -> Array:
+    return jnp.zeros((plan.geo.T, 0), jnp.float32) if scales is None else scales
+
+
+def _received(plan: Plan) -> tuple:
+    """dispatch_recv's results: expert_x, expert_scales, group_sizes, row_origin."""
     geo, cfg = plan.geo, plan.geo.cfg
-    results = (
-        jax.ShapeDtypeStruct((geo.capacity, cfg.hidden), cfg.dtype),
-        jax.ShapeDtypeStruct((geo.capacity, cfg.scale_cols), jnp.float32),
-        jax.ShapeDtypeStruct((geo.L,), jnp.int32),
-        jax.ShapeDtypeStruct((geo.capacity,), jnp.int32),
-        _STATUS,
-    )
-    expert_x, expert_scales, group_sizes, row_origin, status = _call("dispatch_recv", results, plan, p.status)
-    handle = CombineHandle(row_origin=row_origin, topk_ids=p.topk_ids, num_tokens=p.num_tokens,
-                           status=errors.first_failure(p.status, status))
-    return Dispatched(expert_x, expert_scales if cfg.is_fp8 else None, group_sizes, handle)
+    return (jax.ShapeDtypeStruct((geo.capacity, cfg.hidden), cfg.dtype),
+            jax.ShapeDtypeStruct((geo.capacity, cfg.scale_cols), jnp.float32),
+            jax.ShapeDtypeStruct((geo.L,), jnp.int32),
+            jax.ShapeDtypeStruct((geo.capacity,), jnp.int32))
+
+
+def _dispatched(plan: Plan, received, topk_ids: Array, num_tokens: Array, *statuses: Array) -> Dispatched:
+    expert_x, expert_scales, group_sizes, row_origin = received
+    handle = CombineHandle(row_origin=row_origin, topk_ids=topk_ids, num_tokens=num_tokens,
+                           status=errors.first_failure(*statuses))
+    return Dispatched(expert_x, expert_scales if plan.geo.cfg.is_fp8 else None, group_sizes, handle)
+
+
+def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
+    *received, status = _call("dispatch_recv", _received(plan) + (_STATUS,), plan, p.status)
+    return _dispatched(plan, received, p.topk_ids, p.num_tokens, p.status, status)
+
+
+def dispatch(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> Dispatched:
+    """The fused call: one kernel on the NVLink path (Plan.fused), else dispatch_send then dispatch_recv."""
+    if not plan.fused:
+        return dispatch_recv(plan, dispatch_send(plan, x, topk_ids, scales, num_tokens))
+    *received, send_status, status = _call("dispatch", _received(plan) + (_STATUS, _STATUS), plan, x,
+                                           _scales_arg(plan, scales), topk_ids, num_tokens)
+    return _dispatched(plan, received, topk_ids, num_tokens, send_status, status)
 
 
 def combine_send(plan: Plan, expert_y: Array, handle: CombineHandle,
@@ -212,6 +242,26 @@ def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array | None) -> A
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS)
     y, status = _call("combine_recv", results, plan, q.status, q.topk_ids, weights.astype(jnp.float32), q.num_tokens,
                       in_dtype=np.int64(q.in_dtype), reduced=np.int64(q.reduced))
+    return _checked(plan, y, q.dispatch_status, q.status, status)
+
+
+def _checked(plan: Plan, y: Array, *statuses: Array) -> Array:
+    """y, after raising the round trip's first error (check_errors; the last status is the last kernel's)."""
     if plan.geo.check_errors:
-        errors.check(errors.first_failure(q.dispatch_status, q.status, status), _rank(plan), after=status)
+        errors.check(errors.first_failure(*statuses), _rank(plan), after=statuses[-1])
     return y
+
+
+def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Array, weights_at: str) -> Array:
+    """The fused call, the weights given where ``weights_at`` says ("send": pre-reduced on the NVLink path): one
+    kernel on the NVLink path (Plan.fused), else combine_send then combine_recv."""
+    if not plan.fused:
+        if weights_at == "send":
+            return combine_recv(plan, combine_send(plan, expert_y, handle, topk_weights), None)
+        return combine_recv(plan, combine_send(plan, expert_y, handle, None), topk_weights)
+    cfg = plan.geo.cfg
+    results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS, _STATUS)
+    y, send_status, status = _call("combine", results, plan, expert_y, handle.row_origin, handle.topk_ids,
+                                   topk_weights.astype(jnp.float32), handle.num_tokens,
+                                   reduced=np.int64(weights_at == "send"))
+    return _checked(plan, y, handle.status, send_status, status)

@@ -9,6 +9,8 @@ machine without NVSHMEM. Each phase mirrors its kernel (DESIGN §4):
   combine_send   send every valid expert row home to all replicas of its source DP group
   combine_recv   weighted fp32 sum of each token's K rows, in slot order
 
+and the fused ``dispatch`` and ``combine`` compose them (the kernels fuse each pair into one kernel).
+
 All functions run per shard, inside shard_map over ``axis_name``. Plain JAX AD differentiates them.
 """
 
@@ -191,3 +193,16 @@ def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array | None) -
     if geo.check_errors:
         errors.check(q.status, jax.lax.axis_index(geo.axis_name), after=acc)  # after the last transfer
     return jnp.where(live[:, None], acc, 0.0).astype(geo.cfg.out_dtype)
+
+
+def dispatch(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> Dispatched:
+    """The fused call (the NVSHMEM backend runs it as one kernel): dispatch_recv(dispatch_send(...))."""
+    return dispatch_recv(geo, dispatch_send(geo, x, topk_ids, scales, num_tokens))
+
+
+def combine(geo: Geometry, expert_y: Array, handle: CombineHandle, topk_weights: Array, weights_at: str) -> Array:
+    """The fused call, the weights given to combine_send (``weights_at`` "send") or to combine_recv: the same sums
+    here either way (the NVSHMEM backend pre-reduces with the send)."""
+    if weights_at == "send":
+        return combine_recv(geo, combine_send(geo, expert_y, handle, topk_weights), None)
+    return combine_recv(geo, combine_send(geo, expert_y, handle, None), topk_weights)

@@ -1,4 +1,5 @@
-"""Round trips through the four kernels with no XLA on the GPU, checked against the reference backend on the CPU.
+"""Round trips through the four kernels (and the two fused kernels) with no XLA on the GPU, checked against the
+reference backend on the CPU.
 
     python -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py [--only "name|name"] [--seed N]
 
@@ -6,7 +7,9 @@ The program compute-sanitizer checks: under memcheck a process running XLA:GPU p
 (tests/gpu/LAST_RUN.md), so here JAX stays on the CPU. JAX computes the expected layout and values (the reference
 backend over `world` local CPU devices), and jax.distributed carries the NVSHMEM unique id. Device memory comes from
 cuda-python's runtime bindings, and the extension's `launch_phase` runs the same launch helpers as the FFI handlers.
-JAX_MOE_COMM_STAGED=1 forces the staged put path, as in the GPU cases.
+JAX_MOE_COMM_STAGED=1 forces the staged put path, as in the GPU cases. On the NVLink path every case also runs
+through the fused kernels (`launch_phase` "dispatch" and "combine"), whose results must equal the four kernels' bit
+for bit; `--marks` times the fused kernels unless JAX_MOE_COMM_FUSED=0.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ from nvshmem_cases import TOLERANCE, routing  # noqa: E402
 import jax_moe_comm as jmc  # noqa: E402
 from jax_moe_comm import _native, runtime  # noqa: E402
 from jax_moe_comm.launch import initialize_distributed  # noqa: E402
-from jax_moe_comm.nvshmem_backend import _DTYPE_CODE, combine_weights_at, kernel_sizes  # noqa: E402
+from jax_moe_comm.nvshmem_backend import (  # noqa: E402
+    _DTYPE_CODE,
+    combine_weights_at,
+    fused_halves_enabled,
+    kernel_sizes,
+)
 
 C = jmc.MoECommConfig
 CASES = {
@@ -115,7 +123,8 @@ def reference_round_trip(cfg, world, x, ids, w, scales, counts):
 def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
     """This rank's inputs on the device, zeroed outputs (expert_y too), and the four phases' launch_phase arguments
     with the weights at combine_send (`weights_at` "send": pre-reduced on the NVLink path, as the backend does) or at
-    combine_recv (rows per slot). Returns (phase arguments in phase order, {output name: device pointer})."""
+    combine_recv (rows per slot). Returns (phase arguments in phase order, {output name: device pointer}); `fused`
+    turns the first into the two fused kernels' arguments."""
     reduced = p2p and weights_at == "send"
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
@@ -133,28 +142,44 @@ def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
         dict(expert_x=out["expert_x"], expert_scales=out["expert_scales"], group_sizes=out["group_sizes"],
              row_origin=out["row_origin"], status=status[1]),
         dict(expert_y=out["expert_y"], elem_bytes=np.dtype(cfg.out_dtype).itemsize, row_origin=out["row_origin"],
-             status=status[2], topk_weights=w_d if reduced else 0, in_dtype=code, partial_dtype=code),
-        dict(topk_ids=ids_d, topk_weights=w_d, num_tokens=n_d, out=out["out"], in_dtype=code, out_dtype=code,
+             status=status[2], prereduce_weights=w_d if reduced else 0, in_dtype=code, partial_dtype=code),
+        dict(topk_ids=ids_d, topk_weights=w_d, num_tokens=n_d, out=out["out"], rows_dtype=code, out_dtype=code,
              status=status[3], reduced=int(reduced)),
     ]
     return args, dict(out, status=status)
 
 
-def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
-    """This rank's round trip through the four kernels (legacy default stream): the same outputs, this rank's part.
-    The stand-in expert runs on the host between dispatch_recv and combine_send."""
+def fused_args(args):
+    """The four phases' launch_phase arguments as the fused kernels' ("dispatch", "combine"): each pair's arguments
+    together, its statuses as send_status and recv_status."""
+    def pair(send, recv):
+        return {**send, **recv, "send_status": send["status"], "recv_status": recv["status"]}
+    return [pair(args[0], args[1]), pair(args[2], args[3])]
+
+
+def round_trip_launches(args, fused):
+    """[(phase, arguments)] of dispatch, then of combine: two kernels each, or one (fused)."""
+    if fused:
+        return [[("dispatch", fused_args(args)[0])], [("combine", fused_args(args)[1])]]
+    return [list(zip(PHASES[:2], args[:2], strict=True)), list(zip(PHASES[2:], args[2:], strict=True))]
+
+
+def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, fused=False):
+    """This rank's round trip through the four kernels, or the two fused ones (legacy default stream): the same
+    outputs, this rank's part. The stand-in expert runs on the host between dispatch and combine."""
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
     mem = DeviceArrays()
     try:
         args, out = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at)
         ext = _native.ext
-        for phase, a in zip(PHASES[:2], args[:2], strict=True):
+        dispatch, combine = round_trip_launches(args, fused)
+        for phase, a in dispatch:
             ext.launch_phase(ctx, phase, a)
         checked(cudart.cudaDeviceSynchronize())
         expert_x = DeviceArrays.get(out["expert_x"], (cap, H), cfg.dtype)
         DeviceArrays.set(out["expert_y"], (expert_x.astype(np.float32) * 1.5).astype(cfg.out_dtype))
-        for phase, a in zip(PHASES[2:], args[2:], strict=True):
+        for phase, a in combine:
             ext.launch_phase(ctx, phase, a)
         checked(cudart.cudaDeviceSynchronize())
         return (expert_x, DeviceArrays.get(out["expert_scales"], (cap, cfg.scale_cols), np.float32),
@@ -181,30 +206,46 @@ def run_case(rank, world, seed, cfg, kind, repeats=2):
         p2p = bool(_native.ext.context_p2p(ctx))
         cap, L = sizes["capacity"], sizes["local_experts"]
         rows = slice(rank * T, (rank + 1) * T)
-        # Pre-reduced (NVLink only) and per slot, each `repeats` times: later round trips reuse the buffers the
-        # earlier ones reset.
-        for weights_at in ("send", "recv")[0 if p2p else 1:] * repeats:
-            got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
-                                    None if scales is None else scales[rows], T, weights_at)
-            expert_x, expert_scales, group_sizes, row_origin, y, status = got
-            assert all(not s.any() for s in status), f"status words {status}"
-            ref_sizes = ref[2][rank * L:(rank + 1) * L]
-            assert np.array_equal(group_sizes, ref_sizes), "group_sizes differ"
-            assert np.array_equal(row_origin, ref[3][rank * cap:(rank + 1) * cap]), "row_origin differs"
-            used = int(ref_sizes.sum())
-            ref_x = ref[0][rank * cap:rank * cap + used]
-            assert np.array_equal(expert_x[:used].view(np.uint8), ref_x.view(np.uint8)), "expert_x differs"
-            if cfg.is_fp8:
-                assert np.array_equal(expert_scales[:used], ref[1][rank * cap:rank * cap + used]), "scales differ"
-            y32, ref32 = y.astype(np.float32), ref[4][rows].astype(np.float32)
-            err = float(np.abs(y32 - ref32).max() / max(np.abs(ref32).max(), 1e-30))
-            tol = TOLERANCE[np.dtype(cfg.out_dtype).name]
-            assert err <= tol, f"combine rel err {err:.2e} (weights at combine_{weights_at}) > {tol}"
+        # Pre-reduced (NVLink only) and per slot, through the four kernels and (NVLink only) the two fused ones,
+        # each `repeats` times: later round trips reuse the buffers the earlier ones reset.
+        split_y = {}
+        for fused in (False, True)[:2 if p2p else 1]:
+            for weights_at in ("send", "recv")[0 if p2p else 1:] * repeats:
+                got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
+                                        None if scales is None else scales[rows], T, weights_at, fused)
+                used, err = check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at)
+                y = got[4]
+                if fused:  # the same device code as the four kernels: the same sums, bit for bit
+                    assert np.array_equal(y.view(np.uint8), split_y[weights_at].view(np.uint8)), \
+                        f"fused combine (weights at combine_{weights_at}) differs from the four kernels'"
+                split_y.setdefault(weights_at, y)
         combines = "pre-reduced and per slot" if p2p else "per slot"
+        kernels = "four kernels, then the two fused ones (the same bits)" if p2p else "four kernels"
         return (f"rows {used}, combine rel err {err:.1e}, {'NVLink stores' if p2p else 'staged puts'}, "
-                f"{repeats} trips {combines}")
+                f"{repeats} trips {combines}, {kernels}")
     finally:
         _native.ext.destroy_context(ctx)
+
+
+def check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at):
+    """One round trip's outputs against the reference's: the layout bit for bit, y within the dtype's tolerance.
+    Returns (rows used, y's relative error)."""
+    rows = slice(rank * T, (rank + 1) * T)
+    expert_x, expert_scales, group_sizes, row_origin, y, status = got
+    assert all(not s.any() for s in status), f"status words {status}"
+    ref_sizes = ref[2][rank * L:(rank + 1) * L]
+    assert np.array_equal(group_sizes, ref_sizes), "group_sizes differ"
+    assert np.array_equal(row_origin, ref[3][rank * cap:(rank + 1) * cap]), "row_origin differs"
+    used = int(ref_sizes.sum())
+    ref_x = ref[0][rank * cap:rank * cap + used]
+    assert np.array_equal(expert_x[:used].view(np.uint8), ref_x.view(np.uint8)), "expert_x differs"
+    if cfg.is_fp8:
+        assert np.array_equal(expert_scales[:used], ref[1][rank * cap:rank * cap + used]), "scales differ"
+    y32, ref32 = y.astype(np.float32), ref[4][rows].astype(np.float32)
+    err = float(np.abs(y32 - ref32).max() / max(np.abs(ref32).max(), 1e-30))
+    tol = TOLERANCE[np.dtype(cfg.out_dtype).name]
+    assert err <= tol, f"combine rel err {err:.2e} (weights at combine_{weights_at}) > {tol}"
+    return used, err
 
 
 def format_marks(marks: np.ndarray) -> list[str]:
@@ -226,7 +267,8 @@ def format_marks(marks: np.ndarray) -> list[str]:
 
 def marks_table(rank, world, config, tokens, trips):
     """Where each kernel's time goes: `trips` round trips of the bench config at `tokens` per rank, the four kernels
-    queued back to back (expert_y is zeros: values do not matter here), each trip's kernel marks read after it. The
+    (on the NVLink path the two fused ones, unless JAX_MOE_COMM_FUSED=0: their phases stamp the same marks) queued
+    back to back (expert_y is zeros: values do not matter here), each trip's kernel marks read after it. The
     weights go where the fused combine gives them (JAX_MOE_COMM_PREREDUCE_MIN_TOKENS).
     Prints, per phase, the median µs from `start` to each later mark, and the median gap from the previous phase's
     `end` to this one's `start` (launch and queueing)."""
@@ -245,11 +287,13 @@ def marks_table(rank, world, config, tokens, trips):
     mem = DeviceArrays()
     try:
         p2p = bool(ext.context_p2p(ctx))
+        fused = p2p and fused_halves_enabled()
         weights_at = combine_weights_at(cfg)
         phase_args, _ = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, T, weights_at)
+        launches = [launch for half in round_trip_launches(phase_args, fused) for launch in half]
         rows = []
         for _ in range(trips):
-            for phase, a in zip(PHASES, phase_args, strict=True):
+            for phase, a in launches:
                 ext.launch_phase(ctx, phase, a)
             checked(cudart.cudaDeviceSynchronize())
             got = ext.take_kernel_marks(ctx)
@@ -257,8 +301,8 @@ def marks_table(rank, world, config, tokens, trips):
                 raise SystemExit("no kernel marks: JAX_MOE_COMM_KERNEL_MARKS=1 must be set before the context is made")
             rows.append(np.array(got, np.int64).reshape(len(PHASES), len(MARKS)))
         marks = np.stack(rows[1:])  # the first trip also waits for the peer's start-up
-        print(f"rank {rank}: {config} T={tokens}, {'NVLink stores' if p2p else 'staged puts'}, weights at "
-              f"combine_{weights_at}, median of "
+        print(f"rank {rank}: {config} T={tokens}, {'NVLink stores' if p2p else 'staged puts'}, "
+              f"{'two fused kernels' if fused else 'four kernels'}, weights at combine_{weights_at}, median of "
               f"{len(marks)} trips, us from the kernel's start (gap: from the previous kernel's end)")
         print("\n".join(format_marks(marks)), flush=True)
     finally:

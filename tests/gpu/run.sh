@@ -10,6 +10,8 @@
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
 #   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank);
 #                               MARKS_ENVS="A=1;B=2" repeats them under each of those environments
+#   HARNESS=1                   the kernel harness's cases (no XLA: four kernels and the two fused ones)
+#   PROBE=1                     tests/gpu/first_pass_probe.cu: load, TLB and instruction-fetch latency in a fresh launch
 #   SANITIZE="case|case"        the kernel harness (tests/gpu/kernel_harness.py: no XLA on the GPU), plain and under
 #                               compute-sanitizer (SANITIZE_TOOLS, default "memcheck"), XLA:GPU alone under memcheck,
 #                               then those cases under memcheck (NVLink path, then
@@ -121,6 +123,21 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
     grep "^\[rank 0\]" "$LOGS/trace_$i.log" | grep -v -E "W[0-9]{4}|GRPC|Source Location|grpc_util|^\[rank 0\] $" | tail -100 \
       | tee -a "$OUT/summary.txt"
   done
+fi
+if [ "${HARNESS:-0}" = 1 ]; then
+  step "kernel harness cases (no XLA on the GPU)"
+  NVSHMEM_DISABLE_NCCL=1 timeout 300 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py \
+    > "$LOGS/harness.log" 2>&1
+  rc=$?
+  grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$LOGS/harness.log" | tee -a "$OUT/summary.txt"
+  step "kernel harness exit code $rc"
+fi
+if [ "${PROBE:-0}" = 1 ]; then
+  step "first-pass probe (one GPU)"
+  nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/first_pass_probe tests/gpu/first_pass_probe.cu > "$LOGS/probe.log" 2>&1 &&
+    CUDA_VISIBLE_DEVICES=0 timeout 120 /tmp/first_pass_probe >> "$LOGS/probe.log" 2>&1
+  step "probe exit code $?"
+  cat "$LOGS/probe.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${MARKS:-}" ]; then  # where each kernel's time goes (kernel harness, no XLA): MARKS="1,128"
   # MARKS_ENVS="A=1;B=2 C=3": the marks again under each of those environments (e.g. NVSHMEM settings).

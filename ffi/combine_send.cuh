@@ -1,0 +1,207 @@
+// combine_send: reset the dispatch ready words and tell every peer we are done reading our dispatch buffers (sync
+// flag), then send each valid expert output row home, to every replica of its source DP group, into the slot
+// (token, top-k slot). Given the weights (the fused combine, NVLink path) it pre-reduces instead: one row per
+// (token, expert rank), the weighted sum of the token's rows on this rank (combine_send_reduced).
+// The phase's device code, shared by its kernels (combine_send.cu) and the fused combine (combine.cu).
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include "device_common.cuh"
+#include "dtypes.cuh"
+
+namespace jmc {
+
+constexpr int kSegChunks = 4;  // pre-reduced rows: chunks per lane of one warp's work item (1024 bf16 columns)
+constexpr int kSegCols = 32 * kChunk * kSegChunks;
+
+// Column segments of a pre-reduced row (a warp's work item is one segment of one token).
+__host__ __device__ inline int row_segments(const Sizes& s) { return (s.hidden + kSegCols - 1) / kSegCols; }
+
+// Rows per slot, a warp per row. False when the phase did not run (out of protocol order). `advance`: move the
+// protocol on at the end (finish_phase; false in the fused combine).
+__device__ inline bool combine_send_rows(const Context& ctx, const CombineSendArgs& a, bool advance) {
+  const Sizes& s = ctx.s;
+  if (!begin_phase(ctx, kCombineSend, a.status)) return false;
+  if (blockIdx.x == 0) {
+    // dispatch_recv (finished: same stream) has read every ready word: reset them before the sync flag lets a
+    // peer start its next dispatch_send.
+    for (int src = threadIdx.x; src < s.world; src += blockDim.x) ctx.dispatch_ready[src] = 0;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < s.world && threadIdx.x != s.rank)
+      nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    mark(ctx, kCombineSend, kWaited);
+  }
+
+  const int lane = threadIdx.x % 32;
+  const int warps_per_block = blockDim.x / 32;
+  const int gwarp = blockIdx.x * warps_per_block + threadIdx.x / 32;
+  const int nwarps = gridDim.x * warps_per_block;
+  const int row_bytes = s.hidden * a.elem_bytes;
+  const int slots_per_group = s.max_tokens * s.experts_per_token;
+  for (int p = gwarp; p < s.capacity; p += nwarps) {
+    const int origin = a.row_origin[p];
+    if (origin < 0) continue;
+    const int group = origin / slots_per_group, slot = origin % slots_per_group;
+    const int token = slot / s.experts_per_token;
+    const char* row = static_cast<const char*>(a.expert_y) + static_cast<size_t>(p) * row_bytes;
+    char* dst = ctx.combine_slots + static_cast<size_t>(slot) * s.combine_stride;
+    if (ctx.p2p) {  // NVLink: store the row straight into each replica's slot, then signal
+      for (int j = 0; j < s.dp_size; ++j)
+        warp_copy(nvshmem_ptr(dst, group * s.dp_size + j), row, row_bytes, lane);
+      mark(ctx, kCombineSend, kStep1);  // block 0's (last) row copied
+      __threadfence_system();
+      __syncwarp();
+      if (lane == 0)
+        for (int j = 0; j < s.dp_size; ++j)
+          nvshmemx_signal_op(ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD, group * s.dp_size + j);
+      mark(ctx, kCombineSend, kStep2);  // and signalled
+    } else {  // stage into symmetric memory: a put's source must be symmetric on other transports
+      char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
+      warp_copy(staged, row, row_bytes, lane);
+      __syncwarp();
+      for (int j = 0; j < s.dp_size; ++j)
+        nvshmemx_putmem_signal_nbi_warp(dst, staged, row_bytes, ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD,
+                                        group * s.dp_size + j);
+    }
+  }
+  mark(ctx, kCombineSend, kWorked);
+  if (finish_phase(ctx, kCombineSend, a.status, advance)) mark(ctx, kCombineSend, kEnd, true);
+  return true;
+}
+
+// Pre-reduced combine_send (a cooperative launch: every block resident, so blocks may wait for peers' blocks).
+// False when the phase did not run (out of protocol order); `advance` as in combine_send_rows.
+//   1. Publish this replica's tokens' weights to every rank; invert row_origin into row_of (local).
+//   2. Grid barrier; SET our weights_ready word on every rank; wait for every source's.
+//   3. A warp per arrived token (source rank src, its slot i): sum w * expert_y over the token's live slots whose
+//      expert is here, in slot order, in fp32; store the sum (Partial) into every replica of the token's group, at
+//      combine_partials[this rank][token].
+//   4. The last block SETs partials_ready and the sync flag ("done reading your dispatch buffers": the ids rows
+//      are read in 3) on every rank, and resets the dispatch ready words, read in 1 by every block.
+template <typename In, typename Partial>
+__device__ inline bool combine_send_reduced(const Context& ctx, const CombineSendArgs& a, bool advance) {
+  const Sizes& s = ctx.s;
+  int32_t* status = phase_status(ctx, kCombineSend);
+  if (!begin_phase(ctx, kCombineSend, a.status)) return false;
+  const int K = s.experts_per_token, T = s.max_tokens, replica = s.rank % s.dp_size;
+  const int lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int gthread = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+
+  // 1. Our own token count is our own ready word (dispatch_send SETs it on every rank, this one included).
+  const auto tokens_of = [&](int src) {
+    const uint64_t ready = *reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src);
+    return min(max(static_cast<int>(ready) - 1, 0), s.slots_per_source);
+  };
+  const int my_tokens = tokens_of(s.rank);
+  for (int i = gwarp; i < my_tokens; i += nwarps) {
+    const float w = lane < K ? a.topk_weights[static_cast<size_t>(replica + i * s.dp_size) * K + lane] : 0.f;
+    const size_t at = (static_cast<size_t>(s.rank) * s.slots_per_source + i) * K + lane;
+    for (int d = 0; d < s.world; ++d)
+      if (lane < K) static_cast<float*>(nvshmem_ptr(ctx.combine_weights, d))[at] = w;
+  }
+  const int entries = s.num_dp * T * K;
+  for (int p = gthread; p < s.capacity; p += nthreads) {
+    const int origin = a.row_origin[p];
+    if (origin >= 0 && origin < entries) ctx.row_of[origin] = p;
+  }
+  __threadfence_system();
+  cooperative_groups::this_grid().sync();
+
+  // 2. Weights: ours are everywhere; wait for every source's (a thread per source, in every block).
+  if (blockIdx.x == 0 && threadIdx.x < s.world)
+    nvshmemx_signal_op(ctx.weights_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+  if (threadIdx.x < s.world) wait_at_least(ctx.weights_ready + threadIdx.x, 1, s, status, kCombineSend, threadIdx.x);
+  __syncthreads();
+  mark(ctx, kCombineSend, kWaited);
+
+  // 3. One partial row per arrived token with a live slot here. A warp takes one segment of kSegChunks chunks per
+  //    lane of the row (lanes interleaved: coalesced), so a token's columns spread over many warps and each lane
+  //    has its loads in flight together: a warp per token walked the 7168 columns of R1 one load at a time.
+  const int L = s.local_experts, H = s.hidden;
+  const bool vector_ok = H % kChunk == 0 && (H * sizeof(In)) % 16 == 0;
+  const bool vector_out = vector_ok && (H * sizeof(Partial)) % 16 == 0;
+  const int segments = row_segments(s);
+  int arrivals = 0;  // numbered source by source
+  for (int src = 0; src < s.world; ++src) arrivals += tokens_of(src);
+  for (int item = gwarp; item < arrivals * segments; item += nwarps) {
+    int src = 0, i = item / segments;
+    const int seg = item % segments;
+    while (i >= tokens_of(src)) i -= tokens_of(src++);
+    const int g = src / s.dp_size;
+    const size_t slot = static_cast<size_t>(src) * s.slots_per_source + i;
+    const int32_t* ids = ctx.dispatch_ids + slot * K;
+    const int t = src % s.dp_size + i * s.dp_size;
+    int rows[kMaxExpertsPerToken];
+    float weights[kMaxExpertsPerToken];
+    int local = 0, live = 0;  // live slots here; those with a row
+    for (int k = 0; k < K; ++k) {
+      if (ids[k] / L != s.rank || !slot_is_live(ids, k, s.num_experts)) continue;
+      ++local;
+      const int origin = (g * T + t) * K + k;
+      const int row = ctx.row_of[origin];
+      // A live slot without a row (capacity overflow, which dispatch_recv reported, or a handle of another
+      // routing) contributes nothing; the token's partial row is still written (the source adds it).
+      if (row < 0 || row >= s.capacity || a.row_origin[row] != origin) continue;
+      rows[live] = row;
+      weights[live++] = ctx.combine_weights[slot * K + k];
+    }
+    if (local == 0) continue;
+    const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
+    float acc[kSegChunks][kChunk] = {};
+    for (int j = 0; j < live; ++j) {  // slots in order, like the reference
+      const In* row = static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[j]) * H;
+      if (vector_ok) {
+        Chunk<In> v[kSegChunks];
+#pragma unroll
+        for (int u = 0; u < kSegChunks; ++u)
+          if (col_of(u) < H) v[u] = *reinterpret_cast<const Chunk<In>*>(row + col_of(u));
+#pragma unroll
+        for (int u = 0; u < kSegChunks; ++u)
+          if (col_of(u) < H)
+#pragma unroll
+            for (int c = 0; c < kChunk; ++c) acc[u][c] += weights[j] * to_float(v[u].v[c]);
+      } else {
+        for (int u = 0; u < kSegChunks; ++u)
+          if (col_of(u) < H) add_chunk(acc[u], weights[j], row + col_of(u), false, min(kChunk, H - col_of(u)));
+      }
+    }
+    char* dst = ctx.combine_partials + (static_cast<size_t>(s.rank) * T + t) * s.combine_stride;
+    for (int r = 0; r < s.dp_size; ++r) {
+      Partial* out = static_cast<Partial*>(nvshmem_ptr(dst, g * s.dp_size + r));
+#pragma unroll
+      for (int u = 0; u < kSegChunks; ++u)
+        if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));
+    }
+  }
+  mark(ctx, kCombineSend, kWorked);
+  __threadfence_system();  // this thread's partial rows reach every peer before the signals below
+  mark(ctx, kCombineSend, kClosed);
+
+  // 4. Done: partial rows landed, dispatch buffers read.
+  if (finish_phase(ctx, kCombineSend, a.status, advance)) {
+    for (int src = threadIdx.x; src < s.world; src += blockDim.x) ctx.dispatch_ready[src] = 0;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < s.world) {
+      nvshmemx_signal_op(ctx.partials_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+      if (threadIdx.x != s.rank) nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    }
+    mark(ctx, kCombineSend, kEnd, true);
+  }
+  return true;
+}
+
+
+// Rows per slot: a warp per expert row. Pre-reduced: a warp per (arrived token, column segment), one block per SM
+// at most (cooperative).
+inline int combine_send_blocks(const Sizes& s, bool reduced) {
+  if (reduced)
+    return blocks_for(static_cast<long long>(s.world) * s.slots_per_source * row_segments(s), kThreads / 32,
+                      s.sm_count);
+  return blocks_for(s.capacity, kThreads / 32, 8 * s.sm_count);
+}
+
+}  // namespace jmc

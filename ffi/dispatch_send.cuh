@@ -1,0 +1,116 @@
+// dispatch_send: send each of this replica's tokens once to every rank that hosts one of its experts (per-rank
+// dedupe: the receiver fans a token out to its local experts), and every token's ids to every rank; then, once all
+// of it has landed, SET the source's ready word (token count + 1) on every rank. Never waits on a peer.
+//
+// Token i of this replica (token index t = replica + i * dp_size) lands in slot i of this source's region on each
+// destination: no sender-side prefix, no packing. The ids rows are dense (every i < count), so the receiver knows
+// which slots hold a row and for which of its experts; its layout depends on the routing alone.
+//
+// The phase's device code, shared by its kernels (dispatch_send.cu) and the fused dispatch (dispatch.cu). Two ways,
+// one protocol. With every peer reachable by loads/stores (NVLink, `Context::p2p`), a warp per token
+// stores the row straight from x into each destination's slot. Otherwise tokens are packed once into symmetric
+// staging (the source of a put must be symmetric off NVLink) and each row is a put; nvshmem_quiet completes them.
+#pragma once
+
+#include "device_common.cuh"
+
+namespace jmc {
+
+// Every live token's routing is checked (each replica checks all, like the reference backend).
+__device__ inline void validate_ids(const Sizes& s, const DispatchSendArgs& a, int num_tokens, int32_t* status) {
+  const int K = s.experts_per_token;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_tokens * K; i += gridDim.x * blockDim.x) {
+    const int t = i / K, k = i % K;
+    const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
+    const int e = ids[k];
+    if (e < -1 || e >= s.num_experts) {
+      report(status, kBadExpertId, kDispatchSend, t, e);
+    } else if (e >= 0) {
+      for (int j = 0; j < k; ++j)
+        if (ids[j] == e) report(status, kRepeatedExpertId, kDispatchSend, t, e);
+    }
+  }
+}
+
+__device__ inline int replica_tokens(const Sizes& s, const DispatchSendArgs& a, int* num_tokens) {
+  *num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
+  const int replica = s.rank % s.dp_size;
+  return *num_tokens > replica ? (*num_tokens - replica + s.dp_size - 1) / s.dp_size : 0;
+}
+
+// The rank that hosts this lane's live slot of token t (lane < K), else -1.
+__device__ inline int lane_dest(const Sizes& s, const int32_t* ids, int lane) {
+  return lane < s.experts_per_token && slot_is_live(ids, lane, s.num_experts) ? ids[lane] / s.local_experts : -1;
+}
+
+// Token t's stride at `row` (a peer's slot or this rank's staging): payload | fp32 scales | int32 t | int32 ids[K].
+__device__ inline void write_token_row(char* row, const Sizes& s, const DispatchSendArgs& a, int t, int lane) {
+  warp_copy(row, static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes, s.payload_bytes, lane);
+  if (s.scale_cols)
+    warp_copy(row + scales_offset(s), a.scales + static_cast<size_t>(t) * s.scale_cols, 4 * s.scale_cols, lane);
+  auto* header = reinterpret_cast<int32_t*>(row + header_offset(s));
+  if (lane == 0) header[0] = t;
+  if (lane < s.experts_per_token) header[1 + lane] = a.topk_ids[static_cast<size_t>(t) * s.experts_per_token + lane];
+}
+
+// Once every block is done (its stores fenced / its puts quiet): the last block SETs our ready word everywhere.
+__device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& a, int my_tokens, bool advance) {
+  if (finish_phase(ctx, kDispatchSend, a.status, advance)) {
+    __threadfence_system();
+    if (threadIdx.x < ctx.s.world)
+      nvshmemx_signal_op(ctx.dispatch_ready + ctx.s.rank, my_tokens + 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    mark(ctx, kDispatchSend, kEnd, true);
+  }
+}
+
+// The start of both send kernels: the protocol-order check (false: the phase did not run), then this replica's
+// token count and the validation of every live token's ids.
+__device__ inline bool begin_send(const Context& ctx, const DispatchSendArgs& a, int* my_tokens) {
+  if (!begin_phase(ctx, kDispatchSend, a.status)) return false;
+  int num_tokens;
+  *my_tokens = replica_tokens(ctx.s, a, &num_tokens);
+  validate_ids(ctx.s, a, num_tokens, phase_status(ctx, kDispatchSend));
+  mark(ctx, kDispatchSend, kWaited);
+  return true;
+}
+
+// The NVLink send (Context::p2p): a warp per token stores its row straight from x into each destination's slot; then
+// the ready signal. Blocks never wait on each other. False when the phase did not run (out of protocol order).
+// `advance`: move the protocol on at the end (finish_phase; false in the fused dispatch).
+__device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendArgs& a, bool advance) {
+  int my_tokens;
+  if (!begin_send(ctx, a, &my_tokens)) return false;
+  const Sizes& s = ctx.s;
+  const int K = s.experts_per_token, replica = s.rank % s.dp_size;
+  const int lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+
+  for (int i = gwarp; i < my_tokens; i += nwarps) {
+    const int t = replica + i * s.dp_size;
+    const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
+    const int id = lane < K ? ids[lane] : -1;
+    const int dest_of_lane = lane_dest(s, ids, lane);
+    mark(ctx, kDispatchSend, kStep1);  // the token's ids read (block 0's last token)
+    const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
+    for (int d = 0; d < s.world; ++d) {
+      if (d == 1) mark(ctx, kDispatchSend, kStep2);  // rank 0's copies issued
+      auto* ids_row = static_cast<int32_t*>(nvshmem_ptr(ctx.dispatch_ids + slot * K, d));
+      if (lane < K) ids_row[lane] = id;
+      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
+      write_token_row(static_cast<char*>(nvshmem_ptr(ctx.dispatch_slots + slot * s.token_stride, d)), s, a, t, lane);
+    }
+  }
+  mark(ctx, kDispatchSend, kWorked);
+  __threadfence_system();  // this thread's stores reach every peer before the ready signal
+  mark(ctx, kDispatchSend, kClosed);
+  signal_ready(ctx, a, my_tokens, advance);
+  return true;
+}
+
+
+// A warp per token this replica sends.
+inline int dispatch_send_blocks(const Sizes& s) {
+  return blocks_for(s.slots_per_source, kThreads / 32, 8 * s.sm_count);
+}
+
+}  // namespace jmc
