@@ -21,9 +21,8 @@ __device__ inline void add_partials(const Context& ctx, const int32_t* ids, int 
   const Sizes& s = ctx.s;
   int ranks[kMaxExpertsPerToken];
   int n = 0;
-  for (int k = 0; k < s.experts_per_token; ++k) {
-    if (!slot_is_live(ids, k, s.num_experts)) continue;
-    const int r = ids[k] / s.local_experts;
+  for (unsigned live = live_slots(ids, s.experts_per_token, s.num_experts); live; live &= live - 1) {
+    const int r = ids[__ffs(live) - 1] / s.local_experts;
     int j = n;  // insertion into the sorted, distinct list
     while (j > 0 && ranks[j - 1] > r) --j;
     if (j > 0 && ranks[j - 1] == r) continue;
@@ -43,14 +42,10 @@ template <typename In>
 __device__ inline void add_slots(const Context& ctx, const int32_t* ids, const float* weights, int t, int c0,
                                  float* acc, bool vector, int cols, int32_t* status) {
   const Sizes& s = ctx.s;
-  unsigned live_mask = 0;
-  int first_remote_peer = s.rank;
-  for (int k = 0; k < s.experts_per_token; ++k) {
-    if (!slot_is_live(ids, k, s.num_experts)) continue;
-    live_mask |= 1u << k;
-    const int peer = ids[k] / s.local_experts;
-    if (first_remote_peer == s.rank) first_remote_peer = peer;
-  }
+  const unsigned live_mask = live_slots(ids, s.experts_per_token, s.num_experts);
+  int first_remote_peer = s.rank;  // named by a timeout
+  for (unsigned m = live_mask; m && first_remote_peer == s.rank; m &= m - 1)
+    first_remote_peer = ids[__ffs(m) - 1] / s.local_experts;
   if (!wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, status, kCombineRecv, first_remote_peer)) return;
   mark(ctx, kCombineRecv, kStep1);  // block 0's (last) token's rows arrived
   const char* slots = ctx.combine_slots + static_cast<size_t>(t) * s.experts_per_token * s.combine_stride;

@@ -137,8 +137,9 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
     int rows[kMaxExpertsPerToken];
     float weights[kMaxExpertsPerToken];
     int local = 0, live = 0;  // live slots here; those with a row
-    for (int k = 0; k < K; ++k) {
-      if (ids[k] / L != s.rank || !slot_is_live(ids, k, s.num_experts)) continue;
+    for (unsigned m = live_slots(ids, K, s.num_experts); m; m &= m - 1) {
+      const int k = __ffs(m) - 1;
+      if (ids[k] / L != s.rank) continue;
       ++local;
       const int origin = (g * T + t) * K + k;
       const int row = ctx.row_of[origin];

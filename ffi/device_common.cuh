@@ -55,6 +55,45 @@ __device__ inline bool slot_is_live(const int32_t* ids, int k, int num_experts) 
   return true;
 }
 
+// The live slots of a token's ids row, as a bit mask (bit k: slot_is_live(ids, k)). Rows of up to kUnrolledSlots
+// are loaded in one go (their loads in flight together) and compared in registers: slot by slot, the repeat check
+// made ~K^2/2 dependent loads, several microseconds per token at K = 8 even from L1. Longer rows walk slot by slot.
+constexpr int kUnrolledSlots = 8;
+__device__ inline unsigned live_slots(const int32_t* ids, int K, int num_experts) {
+  unsigned mask = 0;
+  if (K <= kUnrolledSlots) {
+    int id[kUnrolledSlots];
+#pragma unroll
+    for (int k = 0; k < kUnrolledSlots; ++k) id[k] = k < K ? ids[k] : -1;
+#pragma unroll
+    for (int k = 0; k < kUnrolledSlots; ++k) {
+      bool live = id[k] >= 0 && id[k] < num_experts;
+#pragma unroll
+      for (int j = 0; j < k; ++j) live = live && id[j] != id[k];
+      mask |= live ? 1u << k : 0u;
+    }
+    return mask;
+  }
+  for (int k = 0; k < K; ++k) mask |= slot_is_live(ids, k, num_experts) ? 1u << k : 0u;
+  return mask;
+}
+
+// The first slot of a token's ids row that holds expert e (live when e is a valid id: it is no repeat), else -1.
+__device__ inline int first_slot_of(const int32_t* ids, int K, int e) {
+  if (K <= kUnrolledSlots) {
+    int id[kUnrolledSlots];
+#pragma unroll
+    for (int k = 0; k < kUnrolledSlots; ++k) id[k] = k < K ? ids[k] : -1;
+    int first = -1;
+#pragma unroll
+    for (int k = kUnrolledSlots - 1; k >= 0; --k) first = id[k] == e && k < K ? k : first;
+    return first;
+  }
+  for (int k = 0; k < K; ++k)
+    if (ids[k] == e) return k;
+  return -1;
+}
+
 constexpr int kCopyDepth = 4;  // 16-byte loads each lane has in flight before it stores them
 
 // Warp-cooperative copy: 16-byte words when both ends are 16-byte aligned, then a byte tail. Each lane loads
@@ -136,8 +175,9 @@ __device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* ou
 
 // Called by every thread at the start of a phase's kernel: true when this MoEComm's protocol expects `phase` now
 // (one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv). Otherwise it reports
-// kOutOfOrder and finishes the phase without running it; the kernel then returns at once (no waits, no writes), so
-// interleaved round trips on one buffer set fail with a message instead of hanging or mixing rows. Every block reads
+// kOutOfOrder and finishes the phase without running it; the kernel then returns at once (no waits, and no writes
+// but an empty layout from a refused receive: see receive_nothing), so interleaved round trips on one buffer set
+// fail with a message instead of hanging or mixing rows. Every block reads
 // the same value: only the last block of the kernel advances it (finish_phase), after all have read it.
 __device__ inline bool begin_phase(const Context& ctx, Phase phase, int32_t* out) {
   mark(ctx, phase, kStart);

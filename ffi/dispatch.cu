@@ -15,6 +15,7 @@ namespace {
 __global__ void dispatch_kernel(Context ctx, DispatchSendArgs send, DispatchRecvArgs recv) {
   if (!dispatch_send_p2p(ctx, send, false)) {  // out of protocol order: the send status says so; nothing is received
     if (blockIdx.x == 0 && threadIdx.x < kStatusWords) recv.status[threadIdx.x] = 0;
+    receive_nothing(ctx, recv);
     return;
   }
   mark(ctx, kDispatchRecv, kStart);  // no second order check: the receive's end moves the protocol past both

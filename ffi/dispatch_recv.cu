@@ -5,7 +5,10 @@ namespace jmc {
 namespace {
 
 __global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
-  if (begin_phase(ctx, kDispatchRecv, a.status)) receive_tokens(ctx, a);
+  if (begin_phase(ctx, kDispatchRecv, a.status))
+    receive_tokens(ctx, a);
+  else
+    receive_nothing(ctx, a);
 }
 
 }  // namespace

@@ -47,12 +47,9 @@ __device__ inline const int32_t* ids_of(const Context& ctx, Arrival a) {
   return ctx.dispatch_ids + (static_cast<size_t>(a.src) * ctx.s.slots_per_source + a.slot) * ctx.s.experts_per_token;
 }
 
-// The slot k of token `ids` that selects local expert l of this rank (live: valid, not a repeat), else -1.
+// The slot k of token `ids` that selects local expert l of this rank (the first with that id: live), else -1.
 __device__ inline int slot_for_local_expert(const Sizes& s, const int32_t* ids, int l) {
-  const int e = s.rank * s.local_experts + l;
-  for (int k = 0; k < s.experts_per_token; ++k)
-    if (ids[k] == e) return slot_is_live(ids, k, s.num_experts) ? k : -1;
-  return -1;
+  return first_slot_of(ids, s.experts_per_token, s.rank * s.local_experts + l);
 }
 
 // The phase after its protocol-order check (dispatch_recv.cu), or right after the send in the fused dispatch
@@ -83,14 +80,17 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
   __syncthreads();
   mark(ctx, kDispatchRecv, kWaited);
 
-  // 2. Rows per (local expert, group): a histogram over every arrived token's ids (counts, hence deterministic).
-  for (int g = 0; g < G; ++g) {
-    for (int t = threadIdx.x; t < group_tokens[g]; t += blockDim.x) {
-      const int32_t* ids = ids_of(ctx, arrival_of(s, g, t));
-      for (int k = 0; k < K; ++k) {
-        const int e = ids[k];
-        if (e / L == s.rank && e >= 0 && slot_is_live(ids, k, s.num_experts)) atomicAdd(&count[(e % L) * G + g], 1);
-      }
+  // 2. Rows per (local expert, group): a histogram over every arrived token's ids (counts, hence deterministic), a
+  //    thread per arrived token (numbered group by group).
+  int arrivals = 0;
+  for (int g = 0; g < G; ++g) arrivals += group_tokens[g];
+  for (int i = threadIdx.x; i < arrivals; i += blockDim.x) {
+    int g = 0, t = i;
+    while (t >= group_tokens[g]) t -= group_tokens[g++];
+    const int32_t* ids = ids_of(ctx, arrival_of(s, g, t));
+    for (unsigned m = live_slots(ids, K, s.num_experts); m; m &= m - 1) {
+      const int e = ids[__ffs(m) - 1];
+      if (e / L == s.rank) atomicAdd(&count[(e % L) * G + g], 1);
     }
   }
   __syncthreads();
@@ -170,6 +170,16 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
   }
   mark(ctx, kDispatchRecv, kClosed);
   if (finish_phase(ctx, kDispatchRecv, a.status)) mark(ctx, kDispatchRecv, kEnd, true);
+}
+
+// A refused receive (out of protocol order) still leaves a valid, empty layout: no row holds a token (row_origin
+// -1) and no expert has rows. A combine given this handle then sends nothing, rather than reading row_origin's
+// uninitialized memory as row addresses.
+__device__ inline void receive_nothing(const Context& ctx, const DispatchRecvArgs& a) {
+  for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < ctx.s.capacity; p += gridDim.x * blockDim.x)
+    a.row_origin[p] = -1;
+  if (blockIdx.x == 0)
+    for (int l = threadIdx.x; l < ctx.s.local_experts; l += blockDim.x) a.group_sizes[l] = 0;
 }
 
 inline size_t dispatch_recv_shared_bytes(const Sizes& s) {

@@ -40,7 +40,8 @@ __device__ inline int replica_tokens(const Sizes& s, const DispatchSendArgs& a, 
 
 // The rank that hosts this lane's live slot of token t (lane < K), else -1.
 __device__ inline int lane_dest(const Sizes& s, const int32_t* ids, int lane) {
-  return lane < s.experts_per_token && slot_is_live(ids, lane, s.num_experts) ? ids[lane] / s.local_experts : -1;
+  const bool live = live_slots(ids, s.experts_per_token, s.num_experts) >> lane & 1u;
+  return lane < s.experts_per_token && live ? ids[lane] / s.local_experts : -1;
 }
 
 // Token t's stride at `row` (a peer's slot or this rank's staging): payload | fp32 scales | int32 t | int32 ids[K].

@@ -388,7 +388,9 @@ def raises_promptly(call, text: str, what: str, limit_s: float = 5.0) -> str:
 
 def case_out_of_order(mesh, seed):
     """Two round trips interleaved on one MoEComm (both dispatches before either combine): the kernels refuse the
-    phases that run out of order and the call fails with the expected-phase message, quickly, on every rank."""
+    phases that run out of order and the call fails with the expected-phase message, quickly, on every rank.
+    Optimization barriers fix that order (XLA may otherwise run the independent round trips one after the other,
+    which is in order)."""
     world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
     comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
@@ -398,9 +400,13 @@ def case_out_of_order(mesh, seed):
 
     @jax.jit
     def f(x, i, w):
-        first, second = jmc.dispatch(comm, x, i), jmc.dispatch(comm, 2 * x, i)
-        return (jmc.combine(comm, first.expert_x, first.handle, w)
-                + jmc.combine(comm, second.expert_x, second.handle, w))
+        first = jmc.dispatch(comm, x, i)
+        x2, _ = jax.lax.optimization_barrier((2 * x, first))  # the second dispatch after the first
+        second = jmc.dispatch(comm, x2, i)
+        y1, _ = jax.lax.optimization_barrier((first.expert_x, second))  # the first combine after both dispatches
+        out1 = jmc.combine(comm, y1, first.handle, w)
+        y2, _ = jax.lax.optimization_barrier((second.expert_x, out1))  # the second combine last
+        return out1 + jmc.combine(comm, y2, second.handle, w)
 
     try:
         return raises_promptly(lambda: f(x, ids, w), "while this MoEComm expected", "interleaved round trips")
