@@ -23,7 +23,7 @@ __host__ __device__ inline int row_segments(const Sizes& s) { return (s.hidden +
 __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendArgs& a, bool advance) {
   const Sizes& s = ctx.s;
   if (!begin_phase(ctx, kCombineSend, a.status)) return false;
-  if (blockIdx.x == 0) {
+  if (blockIdx.x == gridDim.x - 1) {  // the last block, so that block 0 starts on the first rows meanwhile
     // dispatch_recv (finished: same stream) has read every ready word: reset them before the sync flag lets a
     // peer start its next dispatch_send.
     for (int src = threadIdx.x; src < s.world; src += blockDim.x) ctx.dispatch_ready[src] = 0;
@@ -31,7 +31,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
     __syncthreads();
     if (threadIdx.x < s.world && threadIdx.x != s.rank)
       nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
-    mark(ctx, kCombineSend, kWaited);
+    mark(ctx, kCombineSend, kWaited, true);
   }
 
   const int lane = threadIdx.x % 32;

@@ -33,9 +33,10 @@ constexpr int kPhases = 4;
 constexpr int kStatusWords = 4;
 
 // Kernel marks (JAX_MOE_COMM_KERNEL_MARKS=1): globaltimer stamps of each phase's steps, for the kernel harness's
-// --marks table. Stamped by thread 0 of block 0, except kAllDone and kEnd (the last block). kStep1 and kStep2 are
-// points inside a kernel's work (between kWaited and kWorked), each kernel says which; inside a loop the last
-// iteration of thread 0 stamps them (at one token per rank, its only one).
+// --marks table. Stamped by thread 0 of block 0, except kAllDone and kEnd (the last block) and the per-slot
+// combine_send's kWaited (its last block, which resets the ready words and signals the sync flags). kStep1 and
+// kStep2 are points inside a kernel's work (between kWaited and kWorked), each kernel says which; inside a loop the
+// last iteration of thread 0 stamps them (at one token per rank, its only one).
 enum Mark : int32_t { kStart = 0, kWaited = 1, kWorked = 2, kClosed = 3, kAllDone = 4, kEnd = 5, kStep1 = 6, kStep2 = 7 };
 constexpr int kMarks = 8;
 
