@@ -49,7 +49,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
     char* dst = ctx.combine_slots + static_cast<size_t>(slot) * s.combine_stride;
     if (ctx.p2p) {  // NVLink: store the row straight into each replica's slot, then signal
       for (int j = 0; j < s.dp_size; ++j)
-        warp_copy(nvshmem_ptr(dst, group * s.dp_size + j), row, row_bytes, lane);
+        warp_copy(peer_ptr(ctx, dst, group * s.dp_size + j), row, row_bytes, lane);
       mark(ctx, kCombineSend, kStep1);  // block 0's (last) row copied
       __threadfence_system();
       __syncwarp();
@@ -100,7 +100,7 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
     const float w = lane < K ? a.topk_weights[static_cast<size_t>(replica + i * s.dp_size) * K + lane] : 0.f;
     const size_t at = (static_cast<size_t>(s.rank) * s.slots_per_source + i) * K + lane;
     for (int d = 0; d < s.world; ++d)
-      if (lane < K) static_cast<float*>(nvshmem_ptr(ctx.combine_weights, d))[at] = w;
+      if (lane < K) peer_ptr(ctx, ctx.combine_weights, d)[at] = w;
   }
   const int entries = s.num_dp * T * K;
   for (int p = gthread; p < s.capacity; p += nthreads) {
@@ -171,7 +171,7 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
     }
     char* dst = ctx.combine_partials + (static_cast<size_t>(s.rank) * T + t) * s.combine_stride;
     for (int r = 0; r < s.dp_size; ++r) {
-      Partial* out = static_cast<Partial*>(nvshmem_ptr(dst, g * s.dp_size + r));
+      Partial* out = reinterpret_cast<Partial*>(peer_ptr(ctx, dst, g * s.dp_size + r));
 #pragma unroll
       for (int u = 0; u < kSegChunks; ++u)
         if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));

@@ -53,6 +53,7 @@ struct Sizes {
   int sm_count;  // each launch sizes its grid from its work, capped by this
 };
 
+constexpr int kMaxNvlinkPeers = 72;  // ranks whose peer offsets a Context holds (an NVLink domain); more: staged
 constexpr int kMaxExpertsPerToken = 32;  // jax_moe_comm/nvshmem_backend.py MAX_EXPERTS_PER_TOKEN
 constexpr int kThreads = 256;  // threads per block of every kernel (8 warps)
 
@@ -81,6 +82,8 @@ struct Context {
   int32_t* row_of;            // [num_dp][max_tokens][K] packed row of (group, token, slot): row_origin inverted by
                               // the pre-reduced combine_send (entries are checked against row_origin before use)
   uint64_t* marks;            // [4 phases][kMarks] (device memory, not symmetric), or null: no stamps
+  int64_t peer_offset[kMaxNvlinkPeers];  // with p2p: bytes from a local symmetric address to rank pe's copy of it
+                                         // as this GPU maps it (peer_ptr; what nvshmem_ptr computes on the device)
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put
   size_t symmetric_bytes;

@@ -15,6 +15,14 @@ __device__ inline uint64_t now_ns() {
   return t;
 }
 
+// Symmetric `ptr` as rank pe's copy of it, mapped here through NVLink (Context::p2p): an offset read from the kernel's
+// parameters. nvshmem_ptr loads NVSHMEM's device state from memory: its first calls in a kernel took ~7 us of
+// dispatch_send's 13 at R1 T=1 (step marks, benchmarks/NOTES.md).
+template <typename T>
+__device__ inline T* peer_ptr(const Context& ctx, T* ptr, int pe) {
+  return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(ptr) + ctx.peer_offset[pe]);
+}
+
 // Records the first error of a call into status (the phase's scratch words); later errors keep the first.
 __device__ inline void report(int32_t* status, int32_t code, int32_t phase, int32_t a, int32_t b) {
   if (atomicCAS(reinterpret_cast<int*>(&status[0]), 0, code) == 0) {

@@ -95,10 +95,10 @@ __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendA
     const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
     for (int d = 0; d < s.world; ++d) {
       if (d == 1) mark(ctx, kDispatchSend, kStep2);  // rank 0's copies issued
-      auto* ids_row = static_cast<int32_t*>(nvshmem_ptr(ctx.dispatch_ids + slot * K, d));
+      int32_t* ids_row = peer_ptr(ctx, ctx.dispatch_ids + slot * K, d);
       if (lane < K) ids_row[lane] = id;
       if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
-      write_token_row(static_cast<char*>(nvshmem_ptr(ctx.dispatch_slots + slot * s.token_stride, d)), s, a, t, lane);
+      write_token_row(peer_ptr(ctx, ctx.dispatch_slots + slot * s.token_stride, d), s, a, t, lane);
     }
   }
   mark(ctx, kDispatchSend, kWorked);

@@ -135,8 +135,13 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   ctx->status_scratch = reinterpret_cast<int32_t*>(take(bytes.local));
   ctx->blocks_done = reinterpret_cast<unsigned*>(ctx->status_scratch + kPhases * kStatusWords);
   ctx->next_phase = reinterpret_cast<int32_t*>(ctx->blocks_done + kPhases);
-  ctx->p2p = true;
-  for (int pe = 0; pe < sizes.world; ++pe) ctx->p2p = ctx->p2p && nvshmem_ptr(base, pe) != nullptr;
+  // NVLink: every peer's heap is mapped here, at a fixed offset from ours (so for every buffer of this allocation).
+  ctx->p2p = sizes.world <= kMaxNvlinkPeers;
+  for (int pe = 0; pe < sizes.world && ctx->p2p; ++pe) {
+    const char* peer = static_cast<const char*>(nvshmem_ptr(base, pe));
+    ctx->p2p = peer != nullptr;
+    if (ctx->p2p) ctx->peer_offset[pe] = peer - base;
+  }
   if (std::getenv("JAX_MOE_COMM_STAGED")) ctx->p2p = false;  // force the staged puts (any transport)
   ctx->symmetric_bytes = bytes.total();
   if (std::getenv("JAX_MOE_COMM_KERNEL_MARKS") != nullptr &&
