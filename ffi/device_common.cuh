@@ -16,8 +16,8 @@ __device__ inline uint64_t now_ns() {
 }
 
 // Symmetric `ptr` as rank pe's copy of it, mapped here through NVLink (Context::p2p): an offset read from the kernel's
-// parameters. nvshmem_ptr loads NVSHMEM's device state from memory: its first calls in a kernel took ~7 us of
-// dispatch_send's 13 at R1 T=1 (step marks, benchmarks/NOTES.md).
+// parameters, where nvshmem_ptr loads NVSHMEM's device state from memory (dispatch_send's first row at R1 T=1: 7.2
+// -> 6.6 us in the step marks, benchmarks/NOTES.md entry 14).
 template <typename T>
 __device__ inline T* peer_ptr(const Context& ctx, T* ptr, int pe) {
   return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(ptr) + ctx.peer_offset[pe]);
