@@ -23,7 +23,7 @@ from conftest import SCENARIOS, Routing, ep_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm
-from jax_moe_comm import MoEComm, MoECommConfig
+from jax_moe_comm import MoEComm, MoECommConfig, nvshmem_backend
 
 
 # Cases ------------------------------------------------------------------------------------------------------
@@ -339,6 +339,23 @@ def test_prereduce_threshold_must_be_an_integer(monkeypatch):
     monkeypatch.setenv("JAX_MOE_COMM_PREREDUCE_MIN_TOKENS", "many")
     with pytest.raises(ValueError, match="JAX_MOE_COMM_PREREDUCE_MIN_TOKENS must be an integer, got 'many'"):
         MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference")
+
+
+@pytest.mark.parametrize("value, fused", [(None, True), ("1", True), ("0", False)])
+def test_fused_calls_run_one_kernel_per_direction_unless_switched_off(monkeypatch, value, fused):
+    """JAX_MOE_COMM_FUSED (read when a MoEComm is made): on the NVLink path the fused dispatch and combine run one
+    kernel each unless it is "0" (then their halves' two kernels each)."""
+    if value is None:
+        monkeypatch.delenv("JAX_MOE_COMM_FUSED", raising=False)
+    else:
+        monkeypatch.setenv("JAX_MOE_COMM_FUSED", value)
+    assert nvshmem_backend.fused_halves_enabled() is fused
+
+
+def test_fused_switch_must_be_0_or_1(monkeypatch):
+    monkeypatch.setenv("JAX_MOE_COMM_FUSED", "yes")
+    with pytest.raises(ValueError, match="JAX_MOE_COMM_FUSED must be 0 or 1, got 'yes'"):
+        nvshmem_backend.fused_halves_enabled()
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
