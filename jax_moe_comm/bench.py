@@ -400,6 +400,7 @@ class Row:
     dispatch_us: float | None = None
     combine_us: float | None = None
     total_us: float | None = None
+    total_us_each: list[float] | None = None  # every repeat's round trip (total_us is their median): the spread
     gbps: float | None = None
     bytes: float | None = None
     rel_err: float | None = None
@@ -411,6 +412,8 @@ class Row:
         for key in ("dispatch_us", "combine_us", "total_us", "gbps", "bytes"):
             if out[key] is not None:
                 out[key] = round(out[key], 3)
+        if out["total_us_each"] is not None:
+            out["total_us_each"] = [round(t, 3) for t in out["total_us_each"]]
         if self.error:
             out["error"] = self.error
         if self.note:
@@ -544,6 +547,7 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
         if not all_processes_ok(error is None):
             errors["run"] = error or "failed on another process"
         row.total_us = median_or_none(times.get("total", []))
+        row.total_us_each = times.get("total") or None
         row.dispatch_us = median_or_none(times.get("dispatch", []))
         row.combine_us = median_or_none(times.get("combine", []))
         if nbytes and row.total_us:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,9 @@ def test_quick_bench_runs_and_writes_the_record(quick_run):
             assert (row["total_us"] > 0 and row["gbps"] is not None) or "timing resolution" in row.get("note", ""), row
             assert row["dispatch_us"] is not None and row["combine_us"] is not None, row
             assert row["rel_err"] < 2e-2, row
+            each = row["total_us_each"]  # every repeat's time, so a record shows the spread behind its median
+            assert len(each) == record["repeats"] and statistics.median(each) == pytest.approx(row["total_us"],
+                                                                                                   abs=2e-3), row
         else:  # XLA:CPU has no ragged_all_to_all; a platform that has one must give a time
             assert row.get("error") or row["total_us"] > 0, row
             if row.get("error"):
