@@ -102,7 +102,8 @@ __device__ inline int first_slot_of(const int32_t* ids, int K, int e) {
   return -1;
 }
 
-constexpr int kCopyDepth = 4;  // 16-byte loads each lane has in flight before it stores them
+// 16-byte loads each lane has in flight before it stores them: 16 covers an R1 fp8 row (7,168 bytes) in one pass.
+constexpr int kCopyDepth = 16;
 
 // Warp-cooperative copy: 16-byte words when both ends are 16-byte aligned, then a byte tail. Each lane loads
 // kCopyDepth words before storing any (the compiler may not reorder a load past a store that could alias it), so

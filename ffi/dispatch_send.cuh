@@ -16,18 +16,20 @@
 
 namespace jmc {
 
-// Every live token's routing is checked (each replica checks all, like the reference backend).
+// Every token's routing is checked (each replica checks all, like the reference backend): a thread per token, its
+// ids row in registers (live_slots). A slot that is not live and not -1 is an error: out of range, else a repeat.
+// Slot by slot, with a load per comparison, this took ~4.6 us at T = 1 (a chain of dependent loads per thread).
 __device__ inline void validate_ids(const Sizes& s, const DispatchSendArgs& a, int num_tokens, int32_t* status) {
   const int K = s.experts_per_token;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_tokens * K; i += gridDim.x * blockDim.x) {
-    const int t = i / K, k = i % K;
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
     const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
-    const int e = ids[k];
-    if (e < -1 || e >= s.num_experts) {
-      report(status, kBadExpertId, kDispatchSend, t, e);
-    } else if (e >= 0) {
-      for (int j = 0; j < k; ++j)
-        if (ids[j] == e) report(status, kRepeatedExpertId, kDispatchSend, t, e);
+    const unsigned live = live_slots(ids, K, s.num_experts);
+    const unsigned all_slots = K < 32 ? (1u << K) - 1u : ~0u;
+    if (live == all_slots) continue;  // the common case: no -1, no repeat, nothing out of range
+    for (int k = 0; k < K; ++k) {
+      const int e = ids[k];
+      if (live >> k & 1u || e == -1) continue;
+      report(status, e < -1 || e >= s.num_experts ? kBadExpertId : kRepeatedExpertId, kDispatchSend, t, e);
     }
   }
 }
