@@ -1,8 +1,9 @@
 // dispatch_recv: wait for every source's ready word, then fan the arrived tokens out to this rank's experts:
 // expert_x is packed by (local expert, source DP group, token), each expert padded to `align`; write group_sizes
-// and row_origin. Every block derives the whole layout from the ids rows (a histogram and two block scans), then
-// fills the (local expert, group) runs it owns. The ready words are reset by combine_send, which the stream runs
-// after every block here has read them.
+// and row_origin. Every block derives the whole layout from the ids rows (a histogram and a block scan), then copies
+// the rows of its own contiguous share of the arrived tokens: where each lands follows from the tokens before it,
+// counted in the same histogram pass (before the share) and in shared bit masks (inside it). The ready words are
+// reset by combine_send, which the stream runs after every block here has read them.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -52,25 +53,43 @@ __device__ inline int slot_for_local_expert(const Sizes& s, const int32_t* ids, 
   return first_slot_of(ids, s.experts_per_token, s.rank * s.local_experts + l);
 }
 
+// Arrived tokens a block takes at a time: one per thread; their local experts as bit masks in shared memory.
+constexpr int kBitWords = kThreads / 32;
+
+// Set bits of words[] in [from, to) (bit i: word i / 32, bit i % 32).
+__device__ inline int count_bits(const unsigned* words, int from, int to) {
+  int n = 0;
+  for (int w = from / 32; w * 32 < to; ++w) {
+    unsigned word = words[w];
+    if (w == from / 32) word &= ~0u << (from % 32);
+    if (to < (w + 1) * 32) word &= (1u << (to % 32)) - 1u;
+    n += __popc(word);
+  }
+  return n;
+}
+
 // The phase after its protocol-order check (dispatch_recv.cu), or right after the send in the fused dispatch
 // (dispatch.cu). Dynamic shared memory: dispatch_recv_shared_bytes.
 __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs& a) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_temp;
-  __shared__ int hit_token[kThreads], hit_slot[kThreads];
   const Sizes& s = ctx.s;
   int32_t* status = phase_status(ctx, kDispatchRecv);
-  const int L = s.local_experts, G = s.num_dp, K = s.experts_per_token;
+  const int L = s.local_experts, G = s.num_dp, K = s.experts_per_token, first_local = s.rank * L;
   extern __shared__ int smem[];
   int* group_tokens = smem;                  // [G] tokens of each DP group
-  int* count = group_tokens + G;             // [L * G] rows of (local expert, group)
-  int* expert_rows = count + L * G;          // [L] padded, then unpadded, rows per expert
+  int* group_first = group_tokens + G;       // [G + 1] arrival number of each group's first token
+  int* count = group_first + G + 1;          // [L * G] rows of (local expert, group)
+  int* before = count + L * G;               // [L * G] of those, from arrivals before this block's next batch
+  int* expert_rows = before + L * G;         // [L] padded, then unpadded, rows per expert
   int* expert_start = expert_rows + L;       // [L + 1] packed start of each expert
   int* group_base = expert_start + L + 1;    // [L * G] packed start of (local expert, group)
+  auto* hits = reinterpret_cast<unsigned*>(group_base + L * G);  // [L][kBitWords] the batch's tokens per expert
 
   // 1. Every source's token count (ready word = count + 1; 0 = not yet).
   for (int g = threadIdx.x; g < G; g += blockDim.x) group_tokens[g] = 0;
-  for (int i = threadIdx.x; i < L * G; i += blockDim.x) count[i] = 0;
+  for (int i = threadIdx.x; i < L * G; i += blockDim.x) count[i] = before[i] = 0;
+  for (int i = threadIdx.x; i < L * kBitWords; i += blockDim.x) hits[i] = 0;
   __syncthreads();
   for (int src = threadIdx.x; src < s.world; src += blockDim.x) {
     const bool ok = wait_at_least(ctx.dispatch_ready + src, 1, s, status, kDispatchRecv, src);
@@ -78,19 +97,48 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
     atomicAdd(&group_tokens[src / s.dp_size], min(max(n, 0), s.slots_per_source));
   }
   __syncthreads();
+  if (threadIdx.x == 0) {
+    group_first[0] = 0;
+    for (int g = 0; g < G; ++g) group_first[g + 1] = group_first[g] + group_tokens[g];
+  }
+  __syncthreads();
   mark(ctx, kDispatchRecv, kWaited);
 
-  // 2. Rows per (local expert, group): a histogram over every arrived token's ids (counts, hence deterministic), a
-  //    thread per arrived token (numbered group by group).
-  int arrivals = 0;
-  for (int g = 0; g < G; ++g) arrivals += group_tokens[g];
-  for (int i = threadIdx.x; i < arrivals; i += blockDim.x) {
-    int g = 0, t = i;
-    while (t >= group_tokens[g]) t -= group_tokens[g++];
-    const int32_t* ids = ids_of(ctx, arrival_of(s, g, t));
-    for (unsigned m = live_slots(ids, K, s.num_experts); m; m &= m - 1) {
-      const int e = ids[__ffs(m) - 1];
-      if (e / L == s.rank) atomicAdd(&count[(e % L) * G + g], 1);
+  // Arrived tokens are numbered group by group; this block copies the rows of arrivals [share_begin, share_end).
+  const int arrivals = group_first[G];
+  const int share = (arrivals + gridDim.x - 1) / gridDim.x;
+  const int share_begin = min(blockIdx.x * share, arrivals), share_end = min(share_begin + share, arrivals);
+  auto group_of = [&](int i) {
+    int g = 0;
+    while (i >= group_first[g + 1]) ++g;
+    return g;
+  };
+  auto ids_of_arrival = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, i - group_first[g])); };
+
+  // 2. Rows per (local expert, group), and how many of them come from arrivals before this block's share: a
+  //    histogram over every arrived token's ids (counts, hence deterministic), a thread per arrival, several rows'
+  //    loads in flight per thread.
+  constexpr int kRowsInFlight = 4;
+  for (int base = threadIdx.x; base < arrivals; base += kRowsInFlight * blockDim.x) {
+    const int32_t* rows[kRowsInFlight];
+    unsigned live[kRowsInFlight];
+    int group[kRowsInFlight];
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) {
+      const int i = base + r * blockDim.x;
+      group[r] = i < arrivals ? group_of(i) : 0;
+      rows[r] = i < arrivals ? ids_of_arrival(i, group[r]) : nullptr;
+      live[r] = i < arrivals ? live_slots(rows[r], K, s.num_experts) : 0u;
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) {
+      const bool early = base + r * blockDim.x < share_begin;
+      for (unsigned m = live[r]; m; m &= m - 1) {
+        const int l = rows[r][__ffs(m) - 1] - first_local;
+        if (l < 0 || l >= L) continue;  // an expert of another rank
+        atomicAdd(&count[l * G + group[r]], 1);
+        if (early) atomicAdd(&before[l * G + group[r]], 1);
+      }
     }
   }
   __syncthreads();
@@ -119,37 +167,52 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
       report(status, kCapacityOverflow, kDispatchRecv, packed_rows, s.capacity);
   }
 
-  // 3. A block per (local expert, group) run: its tokens in index order (a block scan per batch), copied by warps.
+  // 3. This block's share, a batch of blockDim arrivals at a time. A token's row for local expert l lands at
+  //    group_base[l, g] + the rows for l of the group's earlier tokens: those before the batch (`before`) and
+  //    those of the batch (bit masks). A warp per token copies its row to each of its local experts.
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  for (int run = blockIdx.x; run < L * G; run += gridDim.x) {
-    const int l = run / G, g = run % G;
-    int n = 0;
-    for (int base = 0; base < group_tokens[g]; base += blockDim.x) {
-      const int t = base + threadIdx.x;
-      const int k = t < group_tokens[g] ? slot_for_local_expert(s, ids_of(ctx, arrival_of(s, g, t)), l) : -1;
-      int pos, total;
-      Scan(scan_temp).ExclusiveSum(k >= 0 ? 1 : 0, pos, total);
-      if (k >= 0) {
-        hit_token[pos] = t;
-        hit_slot[pos] = k;
+  for (int batch = share_begin; batch < share_end; batch += blockDim.x) {
+    const int mine = batch + threadIdx.x;  // this thread's arrival: its bits
+    if (mine < share_end) {
+      const int32_t* ids = ids_of_arrival(mine, group_of(mine));
+      for (unsigned m = live_slots(ids, K, s.num_experts); m; m &= m - 1) {
+        const int l = ids[__ffs(m) - 1] - first_local;
+        if (l >= 0 && l < L) atomicOr(&hits[l * kBitWords + warp], 1u << lane);
       }
-      __syncthreads();
-      for (int h = warp; h < total; h += warps) {
-        const int t_h = hit_token[h], p = group_base[l * G + g] + n + h;
-        if (p >= s.capacity) continue;  // overflow: reported above, never written
-        const Arrival from = arrival_of(s, g, t_h);
-        const char* row = ctx.dispatch_slots +
-                          (static_cast<size_t>(from.src) * s.slots_per_source + from.slot) * s.token_stride;
-        warp_copy(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, row, s.payload_bytes,
+    }
+    __syncthreads();
+    for (int j = warp; j < blockDim.x && batch + j < share_end; j += warps) {
+      const int i = batch + j, g = group_of(i), t = i - group_first[g];
+      const int32_t* ids = ids_of_arrival(i, g);
+      const unsigned live = live_slots(ids, K, s.num_experts);
+      const int l = lane < K && (live >> lane & 1u) ? ids[lane] - first_local : -1;
+      const bool here = l >= 0 && l < L;
+      const int from = max(group_first[g] - batch, 0);  // the batch's first arrival of group g
+      const int p = here ? group_base[l * G + g] + before[l * G + g] + count_bits(hits + l * kBitWords, from, j) : 0;
+      const Arrival src = arrival_of(s, g, t);
+      const char* row = ctx.dispatch_slots + (static_cast<size_t>(src.src) * s.slots_per_source + src.slot) *
+                                                 s.token_stride;
+      for (unsigned dests = __ballot_sync(0xffffffffu, here && p < s.capacity); dests; dests &= dests - 1) {
+        const int k = __ffs(dests) - 1;  // overflow: reported above, never written
+        const int q = __shfl_sync(0xffffffffu, p, k);
+        warp_copy(static_cast<char*>(a.expert_x) + static_cast<size_t>(q) * s.payload_bytes, row, s.payload_bytes,
                   lane);
         if (s.scale_cols)
-          warp_copy(a.expert_scales + static_cast<size_t>(p) * s.scale_cols, row + scales_offset(s),
+          warp_copy(a.expert_scales + static_cast<size_t>(q) * s.scale_cols, row + scales_offset(s),
                     4 * s.scale_cols, lane);
-        if (lane == 0) a.row_origin[p] = (g * s.max_tokens + t_h) * K + hit_slot[h];
+        if (lane == 0) a.row_origin[q] = (g * s.max_tokens + t) * K + k;
       }
-      n += total;
-      __syncthreads();  // hit lists and scan_temp are reused by the next batch
     }
+    __syncthreads();  // every warp has read `before` and the bits: the next batch counts on
+    for (int i = threadIdx.x; i < L * G; i += blockDim.x) {
+      const int l = i / G, g = i % G;
+      const int from = max(group_first[g] - batch, 0);
+      const int to = min(min(group_first[g + 1], share_end) - batch, static_cast<int>(blockDim.x));
+      if (from < to) before[i] += count_bits(hits + l * kBitWords, from, to);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < L * kBitWords; i += blockDim.x) hits[i] = 0;
+    __syncthreads();
   }
 
   mark(ctx, kDispatchRecv, kWorked);
@@ -184,14 +247,14 @@ __device__ inline void receive_nothing(const Context& ctx, const DispatchRecvArg
 
 inline size_t dispatch_recv_shared_bytes(const Sizes& s) {
   const int L = s.local_experts, G = s.num_dp;
-  return sizeof(int) * (G + 2 * L * G + 2 * L + 1);
+  return sizeof(int) * (2 * G + 1 + 3 * L * G + 2 * L + 1 + L * kBitWords);
 }
 
 
-// A block per (local expert, DP group) run, at least enough blocks for the -1 / padding sweep over capacity.
+// A block per (up to) 32 arrived tokens' rows to copy, at least enough blocks for the -1 / padding sweep over
+// capacity.
 inline int dispatch_recv_blocks(const Sizes& s) {
-  return std::max(blocks_for(s.local_experts * s.num_dp, 1, 8 * s.sm_count),
-                  blocks_for(s.capacity, kThreads, s.sm_count));
+  return std::max(blocks_for(s.num_dp * s.max_tokens, 32, 8 * s.sm_count), blocks_for(s.capacity, kThreads, s.sm_count));
 }
 
 }  // namespace jmc
