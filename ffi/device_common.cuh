@@ -63,43 +63,39 @@ __device__ inline bool slot_is_live(const int32_t* ids, int k, int num_experts) 
   return true;
 }
 
-// The live slots of a token's ids row, as a bit mask (bit k: slot_is_live(ids, k)). Rows of up to kUnrolledSlots
-// are loaded in one go (their loads in flight together) and compared in registers: slot by slot, the repeat check
-// made ~K^2/2 dependent loads, several microseconds per token at K = 8 even from L1. Longer rows walk slot by slot.
+// A token's ids row in registers (rows of up to kUnrolledSlots; -1 past K), its loads in flight together: slot by
+// slot, the repeat check made ~K^2/2 dependent loads, several microseconds per token at K = 8 even from L1.
 constexpr int kUnrolledSlots = 8;
-__device__ inline unsigned live_slots(const int32_t* ids, int K, int num_experts) {
+struct IdsRow {
+  int id[kUnrolledSlots];
+};
+__device__ inline IdsRow load_ids_row(const int32_t* ids, int K) {
+  IdsRow row;
+#pragma unroll
+  for (int k = 0; k < kUnrolledSlots; ++k) row.id[k] = k < K ? ids[k] : -1;
+  return row;
+}
+
+// The live slots of a row in registers, as a bit mask (bit k: slot_is_live(ids, k)), compared in registers.
+__device__ inline unsigned live_mask(const IdsRow& row, int num_experts) {
   unsigned mask = 0;
-  if (K <= kUnrolledSlots) {
-    int id[kUnrolledSlots];
 #pragma unroll
-    for (int k = 0; k < kUnrolledSlots; ++k) id[k] = k < K ? ids[k] : -1;
+  for (int k = 0; k < kUnrolledSlots; ++k) {
+    bool live = row.id[k] >= 0 && row.id[k] < num_experts;
 #pragma unroll
-    for (int k = 0; k < kUnrolledSlots; ++k) {
-      bool live = id[k] >= 0 && id[k] < num_experts;
-#pragma unroll
-      for (int j = 0; j < k; ++j) live = live && id[j] != id[k];
-      mask |= live ? 1u << k : 0u;
-    }
-    return mask;
+    for (int j = 0; j < k; ++j) live = live && row.id[j] != row.id[k];
+    mask |= live ? 1u << k : 0u;
   }
-  for (int k = 0; k < K; ++k) mask |= slot_is_live(ids, k, num_experts) ? 1u << k : 0u;
   return mask;
 }
 
-// The first slot of a token's ids row that holds expert e (live when e is a valid id: it is no repeat), else -1.
-__device__ inline int first_slot_of(const int32_t* ids, int K, int e) {
-  if (K <= kUnrolledSlots) {
-    int id[kUnrolledSlots];
-#pragma unroll
-    for (int k = 0; k < kUnrolledSlots; ++k) id[k] = k < K ? ids[k] : -1;
-    int first = -1;
-#pragma unroll
-    for (int k = kUnrolledSlots - 1; k >= 0; --k) first = id[k] == e && k < K ? k : first;
-    return first;
-  }
-  for (int k = 0; k < K; ++k)
-    if (ids[k] == e) return k;
-  return -1;
+// The live slots of a token's ids row, as a bit mask (bit k: slot_is_live(ids, k)). Longer rows than
+// kUnrolledSlots walk slot by slot.
+__device__ inline unsigned live_slots(const int32_t* ids, int K, int num_experts) {
+  if (K <= kUnrolledSlots) return live_mask(load_ids_row(ids, K), num_experts);
+  unsigned mask = 0;
+  for (int k = 0; k < K; ++k) mask |= slot_is_live(ids, k, num_experts) ? 1u << k : 0u;
+  return mask;
 }
 
 // 16-byte loads each lane has in flight before it stores them: 16 covers an R1 fp8 row (7,168 bytes) in one pass.
