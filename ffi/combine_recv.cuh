@@ -30,9 +30,25 @@ __device__ inline void add_partials(const Context& ctx, const int32_t* ids, int 
     ranks[j] = r;
     ++n;
   }
-  for (int j = 0; j < n; ++j) {
-    const char* row = ctx.combine_partials + (static_cast<size_t>(ranks[j]) * s.max_tokens + t) * s.combine_stride;
-    add_chunk(acc, 1.f, reinterpret_cast<const In*>(row) + c0, vector, cols);
+  const auto partial = [&](int j) {
+    return reinterpret_cast<const In*>(ctx.combine_partials +
+                                       (static_cast<size_t>(ranks[j]) * s.max_tokens + t) * s.combine_stride) + c0;
+  };
+  if (!vector) {
+    for (int j = 0; j < n; ++j) add_chunk(acc, 1.f, partial(j), false, cols);
+    return;
+  }
+  // kSlotBatch ranks' chunks are loaded before any is added (loads in flight); still added in rank order.
+  for (int j0 = 0; j0 < n; j0 += kSlotBatch) {
+    Chunk<In> v[kSlotBatch];
+#pragma unroll
+    for (int b = 0; b < kSlotBatch; ++b)
+      if (j0 + b < n) v[b] = *reinterpret_cast<const Chunk<In>*>(partial(j0 + b));
+#pragma unroll
+    for (int b = 0; b < kSlotBatch; ++b)
+      if (j0 + b < n)
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) acc[c] += to_float(v[b].v[c]);
   }
 }
 
