@@ -25,8 +25,8 @@ __global__ void combine_kernel(Context ctx, CombineSendArgs send, CombineRecvArg
 }
 
 // Pre-reduced: partial rows in the output dtype, one per (token, expert rank), added up.
-template <typename In, typename Out>
 // Two blocks per SM (at most 128 registers): the pre-reduction waits on loads, so it wants warps to switch to.
+template <typename In, typename Out>
 __global__ void __launch_bounds__(kThreads, 2)
     combine_reduced_kernel(Context ctx, CombineSendArgs send, CombineRecvArgs recv) {
   if (!combine_send_reduced<In, Out>(ctx, send, false)) return skip_receive(recv);

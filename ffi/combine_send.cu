@@ -6,8 +6,8 @@ namespace {
 
 __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) { combine_send_rows(ctx, a, true); }
 
-template <typename In, typename Partial>
 // Two blocks per SM (at most 128 registers): the pre-reduction waits on loads, so it wants warps to switch to.
+template <typename In, typename Partial>
 __global__ void __launch_bounds__(kThreads, 2)
     combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
   combine_send_reduced<In, Partial>(ctx, a, true);
