@@ -13,13 +13,9 @@ namespace jmc {
 
 constexpr int kSlotBatch = 4;  // slots whose chunks a thread loads before it adds them (loads in flight)
 
-// Pre-reduced rows: acc += the partial rows of token t from each rank hosting one of its live slots, ranks in
-// ascending order (partial rows have the type In).
-template <typename In>
-__device__ inline void add_partials(const Context& ctx, const int32_t* ids, int t, int c0, float* acc, bool vector,
-                                    int cols) {
-  const Sizes& s = ctx.s;
-  int ranks[kMaxExpertsPerToken];
+// Pre-reduced rows: the ranks that hold a partial row of a token (those hosting one of its live slots), ascending
+// and distinct; returns how many.
+__device__ inline int partial_ranks(const Sizes& s, const int32_t* ids, int* ranks) {
   int n = 0;
   for (unsigned live = live_slots(ids, s.experts_per_token, s.num_experts); live; live &= live - 1) {
     const int r = ids[__ffs(live) - 1] / s.local_experts;
@@ -30,25 +26,72 @@ __device__ inline void add_partials(const Context& ctx, const int32_t* ids, int 
     ranks[j] = r;
     ++n;
   }
-  const auto partial = [&](int j) {
+  return n;
+}
+
+// Pre-reduced rows, summed into out (partial rows of type In), ranks in ascending order. A warp takes a contiguous
+// range of (token, kChunk columns) items, lanes interleaved (coalesced), kPartialSteps steps' loads in flight per
+// lane. A lane's steps stay within one token for many steps (28 at R1), so the token's ids row is read once and its
+// ranks are kept: a grid-strided item per thread met a new token's ids row at every step, a first-touch load
+// (~0.4 us) before the partial rows' loads.
+constexpr int kPartialSteps = 2;
+template <typename In, typename Out>
+__device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens, bool vector) {
+  const Sizes& s = ctx.s;
+  const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
+  const long long items = static_cast<long long>(s.max_tokens) * chunks_per_row;
+  const int lane = threadIdx.x % 32;
+  const long long gwarp = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / 32;
+  const long long nwarps = static_cast<long long>(gridDim.x) * blockDim.x / 32;
+  const long long per_warp = ((items + nwarps - 1) / nwarps + 31) / 32 * 32;
+  const long long end = min(items, (gwarp + 1) * per_warp);
+  int ranks[kMaxExpertsPerToken];
+  int ranks_of = -1, n = 0;  // the token whose ranks are in `ranks`
+  const auto partial = [&](int rank, int t, int c0) {  // rank's partial row of token t, from column c0
     return reinterpret_cast<const In*>(ctx.combine_partials +
-                                       (static_cast<size_t>(ranks[j]) * s.max_tokens + t) * s.combine_stride) + c0;
+                                       (static_cast<size_t>(rank) * s.max_tokens + t) * s.combine_stride) + c0;
   };
-  if (!vector) {
-    for (int j = 0; j < n; ++j) add_chunk(acc, 1.f, partial(j), false, cols);
-    return;
-  }
-  // kSlotBatch ranks' chunks are loaded before any is added (loads in flight); still added in rank order.
-  for (int j0 = 0; j0 < n; j0 += kSlotBatch) {
-    Chunk<In> v[kSlotBatch];
+  for (long long base = gwarp * per_warp + lane; base < end; base += 32 * kPartialSteps) {
+    Chunk<In> v[kPartialSteps][kSlotBatch];
+    int t[kPartialSteps], c0[kPartialSteps], parts[kPartialSteps];
 #pragma unroll
-    for (int b = 0; b < kSlotBatch; ++b)
-      if (j0 + b < n) v[b] = *reinterpret_cast<const Chunk<In>*>(partial(j0 + b));
+    for (int u = 0; u < kPartialSteps; ++u) {  // the ranks, then the loads of every step
+      const long long item = base + 32 * u;
+      t[u] = static_cast<int>(item / chunks_per_row);
+      c0[u] = static_cast<int>(item % chunks_per_row) * kChunk;
+      parts[u] = 0;
+      if (item >= end || t[u] >= num_tokens) continue;
+      if (t[u] != ranks_of) {
+        n = partial_ranks(s, a.topk_ids + static_cast<size_t>(t[u]) * s.experts_per_token, ranks);
+        ranks_of = t[u];
+      }
+      parts[u] = n;
+      if (!vector || n > kSlotBatch) continue;  // added below from memory, one rank at a time
 #pragma unroll
-    for (int b = 0; b < kSlotBatch; ++b)
-      if (j0 + b < n)
+      for (int b = 0; b < kSlotBatch; ++b)
+        if (b < n) v[u][b] = *reinterpret_cast<const Chunk<In>*>(partial(ranks[b], t[u], c0[u]));
+    }
 #pragma unroll
-        for (int c = 0; c < kChunk; ++c) acc[c] += to_float(v[b].v[c]);
+    for (int u = 0; u < kPartialSteps; ++u) {
+      if (base + 32 * u >= end) continue;
+      const int cols = min(kChunk, s.hidden - c0[u]);
+      float acc[kChunk] = {};
+      if (vector && parts[u] <= kSlotBatch) {
+#pragma unroll
+        for (int b = 0; b < kSlotBatch; ++b)
+          if (b < parts[u])
+#pragma unroll
+            for (int c = 0; c < kChunk; ++c) acc[c] += to_float(v[u][b].v[c]);
+      } else if (parts[u] > 0) {
+        if (t[u] != ranks_of) {
+          n = partial_ranks(s, a.topk_ids + static_cast<size_t>(t[u]) * s.experts_per_token, ranks);
+          ranks_of = t[u];
+        }
+        for (int j = 0; j < n; ++j) add_chunk(acc, 1.f, partial(ranks[j], t[u], c0[u]), vector, cols);
+      }
+      store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t[u]) * s.hidden + c0[u], acc, vector, cols);
+    }
+    mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
   }
 }
 
@@ -100,31 +143,28 @@ __device__ inline void receive_combined(const Context& ctx, const CombineRecvArg
   int32_t* status = phase_status(ctx, kCombineRecv);
   const int K = s.experts_per_token;
   const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
-  const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
   // Whole-chunk vector loads/stores need every row start 16-byte aligned (slot rows are; output rows need this).
   const bool vector_ok = s.hidden % kChunk == 0 && (s.hidden * sizeof(Out)) % 16 == 0;
-  const size_t items = static_cast<size_t>(s.max_tokens) * chunks_per_row;
   if (a.reduced) {  // one partial row per expert rank, all signalled at once by each rank's combine_send
     if (threadIdx.x < s.world) wait_at_least(ctx.partials_ready + threadIdx.x, 1, s, status, kCombineRecv, threadIdx.x);
     __syncthreads();
     mark(ctx, kCombineRecv, kWaited);
-  }
-
-  for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
-       item += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const int t = static_cast<int>(item / chunks_per_row);
-    const int c0 = static_cast<int>(item % chunks_per_row) * kChunk;
-    const int cols = min(kChunk, s.hidden - c0);
-    float acc[kChunk] = {};
-    if (t < num_tokens) {
-      const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
-      if (a.reduced)
-        add_partials<In>(ctx, ids, t, c0, acc, vector_ok, cols);
-      else
-        add_slots<In>(ctx, ids, a.topk_weights + static_cast<size_t>(t) * K, t, c0, acc, vector_ok, cols, status);
+    sum_partial_rows<In, Out>(ctx, a, num_tokens, vector_ok);
+  } else {  // a thread per (token, kChunk columns), waiting for that token's rows
+    const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
+    const size_t items = static_cast<size_t>(s.max_tokens) * chunks_per_row;
+    for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
+         item += static_cast<size_t>(gridDim.x) * blockDim.x) {
+      const int t = static_cast<int>(item / chunks_per_row);
+      const int c0 = static_cast<int>(item % chunks_per_row) * kChunk;
+      const int cols = min(kChunk, s.hidden - c0);
+      float acc[kChunk] = {};
+      if (t < num_tokens)
+        add_slots<In>(ctx, a.topk_ids + static_cast<size_t>(t) * K, a.topk_weights + static_cast<size_t>(t) * K, t, c0,
+                      acc, vector_ok, cols, status);
+      store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector_ok, cols);
+      mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
     }
-    store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector_ok, cols);
-    mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
   }
 
   mark(ctx, kCombineRecv, kWorked);
