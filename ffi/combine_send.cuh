@@ -118,23 +118,20 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   __syncthreads();
   mark(ctx, kCombineSend, kWaited);
 
-  // 3. One partial row per arrived token with a live slot here. A warp takes segments of kSegChunks chunks per
-  //    lane of the row (lanes interleaved: coalesced), each lane with the chunks of kExpertRowsInFlight rows in
-  //    flight together: a warp per token walked the 7168 columns of R1 one load at a time. With fewer tokens than
-  //    warps a warp takes one segment, so a token's columns spread over many warps.
+  // 3. One partial row per arrived token with a live slot here. A warp takes one segment of kSegChunks chunks per
+  //    lane of the row (lanes interleaved: coalesced), so a token's columns spread over many warps, each lane with
+  //    the chunks of kExpertRowsInFlight rows in flight together: a warp per token walked the 7168 columns of R1 one
+  //    load at a time. (Whole tokens per warp, reading each ids row once, lost at T=4096: a token has 0 to 8 rows
+  //    here, and the warp with the most rows ended the phase tens of microseconds after the rest.)
   const int L = s.local_experts, H = s.hidden;
   const bool vector_ok = H % kChunk == 0 && (H * sizeof(In)) % 16 == 0;
   const bool vector_out = vector_ok && (H * sizeof(Partial)) % 16 == 0;
   const int segments = row_segments(s);
   int arrivals = 0;  // numbered source by source
   for (int src = 0; src < s.world; ++src) arrivals += tokens_of(src);
-  // With a token or more per warp, a warp takes every segment of its tokens: the ids row, row_of and the weights
-  // are read once per token rather than once per segment.
-  const int segs_per_item = arrivals >= nwarps ? segments : 1;
-  const int items_per_token = segments / segs_per_item;
-  for (int item = gwarp; item < arrivals * items_per_token; item += nwarps) {
-    int src = 0, i = item / items_per_token;
-    const int first_seg = item % items_per_token * segs_per_item;
+  for (int item = gwarp; item < arrivals * segments; item += nwarps) {
+    int src = 0, i = item / segments;
+    const int seg = item % segments;
     while (i >= tokens_of(src)) i -= tokens_of(src++);
     const int g = src / s.dp_size;
     const size_t slot = static_cast<size_t>(src) * s.slots_per_source + i;
@@ -157,41 +154,39 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
     }
     if (local == 0) continue;
     char* dst = ctx.combine_partials + (static_cast<size_t>(s.rank) * T + t) * s.combine_stride;
-    for (int seg = first_seg; seg < first_seg + segs_per_item; ++seg) {
-      const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
-      float acc[kSegChunks][kChunk] = {};
-      // Slots in order, like the reference; kExpertRowsInFlight rows' chunks are loaded before any is added.
-      for (int j0 = 0; j0 < live; j0 += kExpertRowsInFlight) {
-        if (vector_ok) {
-          Chunk<In> v[kExpertRowsInFlight][kSegChunks];
+    const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
+    float acc[kSegChunks][kChunk] = {};
+    // Slots in order, like the reference; kExpertRowsInFlight rows' chunks are loaded before any is added.
+    for (int j0 = 0; j0 < live; j0 += kExpertRowsInFlight) {
+      if (vector_ok) {
+        Chunk<In> v[kExpertRowsInFlight][kSegChunks];
 #pragma unroll
-          for (int b = 0; b < kExpertRowsInFlight; ++b) {
-            const In* row = static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[min(j0 + b, live - 1)]) * H;
+        for (int b = 0; b < kExpertRowsInFlight; ++b) {
+          const In* row = static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[min(j0 + b, live - 1)]) * H;
 #pragma unroll
-            for (int u = 0; u < kSegChunks; ++u)
-              if (j0 + b < live && col_of(u) < H) v[b][u] = *reinterpret_cast<const Chunk<In>*>(row + col_of(u));
-          }
+          for (int u = 0; u < kSegChunks; ++u)
+            if (j0 + b < live && col_of(u) < H) v[b][u] = *reinterpret_cast<const Chunk<In>*>(row + col_of(u));
+        }
 #pragma unroll
-          for (int b = 0; b < kExpertRowsInFlight; ++b)
+        for (int b = 0; b < kExpertRowsInFlight; ++b)
 #pragma unroll
-            for (int u = 0; u < kSegChunks; ++u)
-              if (j0 + b < live && col_of(u) < H)
+          for (int u = 0; u < kSegChunks; ++u)
+            if (j0 + b < live && col_of(u) < H)
 #pragma unroll
-                for (int c = 0; c < kChunk; ++c) acc[u][c] += weights[j0 + b] * to_float(v[b][u].v[c]);
-        } else {
-          for (int j = j0; j < min(j0 + kExpertRowsInFlight, live); ++j) {
-            const In* row = static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[j]) * H;
-            for (int u = 0; u < kSegChunks; ++u)
-              if (col_of(u) < H) add_chunk(acc[u], weights[j], row + col_of(u), false, min(kChunk, H - col_of(u)));
-          }
+              for (int c = 0; c < kChunk; ++c) acc[u][c] += weights[j0 + b] * to_float(v[b][u].v[c]);
+      } else {
+        for (int j = j0; j < min(j0 + kExpertRowsInFlight, live); ++j) {
+          const In* row = static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[j]) * H;
+          for (int u = 0; u < kSegChunks; ++u)
+            if (col_of(u) < H) add_chunk(acc[u], weights[j], row + col_of(u), false, min(kChunk, H - col_of(u)));
         }
       }
-      for (int r = 0; r < s.dp_size; ++r) {
-        Partial* out = reinterpret_cast<Partial*>(peer_ptr(ctx, dst, g * s.dp_size + r));
+    }
+    for (int r = 0; r < s.dp_size; ++r) {
+      Partial* out = reinterpret_cast<Partial*>(peer_ptr(ctx, dst, g * s.dp_size + r));
 #pragma unroll
-        for (int u = 0; u < kSegChunks; ++u)
-          if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));
-      }
+      for (int u = 0; u < kSegChunks; ++u)
+        if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));
     }
   }
   mark(ctx, kCombineSend, kWorked);
