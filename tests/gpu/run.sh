@@ -178,7 +178,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
         python3 -m jax_moe_comm.launch -n 2 -- $wrap tests/gpu/kernel_harness.py \
         > "$log" 2>&1  # 60 s waits: a sanitizer slows one rank more than the other
       rc=$?
-      grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
+      grep -E "^\[rank 0\] (PASS|FAIL|SKIP|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
       [ $tool != none ] && sanitizer_summary "$log"
       step "kernel harness exit code $rc"
     done

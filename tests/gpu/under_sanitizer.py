@@ -17,4 +17,5 @@ if __name__ == "__main__":
     if tool is None:
         sys.exit("compute-sanitizer not found on PATH")
     check = os.environ.get("SANITIZER_TOOL", "memcheck")
+    os.environ["JMC_UNDER_SANITIZER"] = check  # the script may leave out what would take too long under it
     os.execv(tool, [tool, "--tool", check, "--print-limit", "1000", sys.executable, *sys.argv[1:]])
