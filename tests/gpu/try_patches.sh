@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Compares prepared changes in one call on the GPU machine: tests/gpu/run.sh once on the tree as it is ("base"),
+# then once per patch, each applied alone and reverted after. Each run's summary.txt and logs.tar.gz go to
+# $OUT/<name>/; the comparable lines (cases and harness counts, marks round trips, bench rows) are printed last.
+#   git diff main small-t-steps > exp_small_t.patch       # here: a patch is a file in the tree (untracked is fine)
+#   PATCHES="exp_small_t.patch exp_t4096.patch" RUN_ENV="TESTS=cases HARNESS=1 MARKS=1,128,4096" \
+#     bash tests/gpu/try_patches.sh                        # there
+# RUN_ENV: run.sh's variables for every run (quoted values allowed); RUN_TIMEOUT: seconds per run (default 300);
+# BASE=0 leaves the base run out.
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+root=${OUT:-/tmp/jmc_gpu_out}
+mkdir -p "$root"
+runs=()
+[ "${BASE:-1}" = 0 ] || runs+=(base)
+runs+=(${PATCHES:-})
+names=()
+for p in "${runs[@]}"; do
+  name=$(basename "$p" .patch)
+  if [ "$p" != base ] && ! patch -s -p1 --dry-run < "$p" > /dev/null 2>&1; then
+    echo "##### $name: the patch does not apply to this tree" | tee -a "$root/try_patches.txt"
+    continue
+  fi
+  [ "$p" != base ] && patch -s -p1 < "$p"
+  mkdir -p "$root/$name"
+  eval "OUT=$root/$name LOGS=/tmp/jmc_logs_$name JMC_COMMIT=${JMC_COMMIT:-unknown}+$name $(printf '%s' "${RUN_ENV:-}")" \
+    timeout "${RUN_TIMEOUT:-300}" bash tests/gpu/run.sh > /dev/null 2>&1
+  [ "$p" != base ] && patch -s -R -p1 < "$p"
+  names+=("$name")
+done
+for name in "${names[@]}"; do
+  echo "##### $name"
+  grep -E "passed|failed|FAIL|build FAILED|round trip|^\[rank 0\] (dispatch|combine)_|^r1 |^v2lite " \
+    "$root/$name/summary.txt" | grep -v "^\[rank 0\] PASS"
+done | tee -a "$root/try_patches.txt"
