@@ -30,6 +30,8 @@ trap 'tar czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null' EXIT
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD
 step() { echo "=== $*" | tee -a "$OUT/summary.txt"; }
+# Rank 0's line per case (PASS, FAIL or SKIP) and its count, from a cases or harness log, into the summary.
+case_results() { grep -E "^\[rank 0\] (PASS|FAIL|SKIP|[0-9]+ passed)" "$1" | tee -a "$OUT/summary.txt"; }
 # What compute-sanitizer reported in a log: device-side errors (memory access, races, barriers, uninitialized reads:
 # count and the first ones), CUDA API errors, and each rank's summary line.
 sanitizer_summary() {
@@ -82,7 +84,7 @@ timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${
   ${CASES_SKIP:+--skip "$CASES_SKIP"} \
   > "$LOGS/cases.log" 2>&1
 rc=$?
-grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$LOGS/cases.log" | tee -a "$OUT/summary.txt"
+case_results "$LOGS/cases.log"
 step "cases exit code $rc"
 fi
 
@@ -129,7 +131,7 @@ if [ "${HARNESS:-0}" = 1 ]; then
   NVSHMEM_DISABLE_NCCL=1 timeout 300 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py \
     > "$LOGS/harness.log" 2>&1
   rc=$?
-  grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$LOGS/harness.log" | tee -a "$OUT/summary.txt"
+  case_results "$LOGS/harness.log"
   step "kernel harness exit code $rc"
 fi
 if [ "${PROBE:-0}" = 1 ]; then
@@ -178,7 +180,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
         python3 -m jax_moe_comm.launch -n 2 -- $wrap tests/gpu/kernel_harness.py \
         > "$log" 2>&1  # 60 s waits: a sanitizer slows one rank more than the other
       rc=$?
-      grep -E "^\[rank 0\] (PASS|FAIL|SKIP|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
+      case_results "$log"
       [ $tool != none ] && sanitizer_summary "$log"
       step "kernel harness exit code $rc"
     done
@@ -211,7 +213,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
     PYTHONFAULTHANDLER=1 NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m jax_moe_comm.launch -n 2 -- \
       tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" --case-limit 280 > "$log" 2>&1
     rc=$?
-    grep -E "^\[rank 0\] (PASS|FAIL|[0-9]+ passed)" "$log" | tee -a "$OUT/summary.txt"
+    case_results "$log"
     sanitizer_summary "$log"
     grep -v -E "=========|^\[rank 1\]" "$log" | tail -12 | tee -a "$OUT/summary.txt"  # how it ended
     step "sanitizer exit code $rc"
