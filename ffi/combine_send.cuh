@@ -31,7 +31,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x < s.world && threadIdx.x != s.rank)
-      nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+      signal_peer(ctx, ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
     mark(ctx, kCombineSend, kWaited, true);
   }
 
@@ -56,7 +56,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
       __syncwarp();
       if (lane == 0)
         for (int j = 0; j < s.dp_size; ++j)
-          nvshmemx_signal_op(ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD, group * s.dp_size + j);
+          signal_peer(ctx, ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD, group * s.dp_size + j);
       mark(ctx, kCombineSend, kStep2);  // and signalled
     } else {  // stage into symmetric memory: a put's source must be symmetric on other transports
       char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
@@ -113,7 +113,7 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
 
   // 2. Weights: ours are everywhere; wait for every source's (a thread per source, in every block).
   if (blockIdx.x == 0 && threadIdx.x < s.world)
-    nvshmemx_signal_op(ctx.weights_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    signal_peer(ctx, ctx.weights_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
   if (threadIdx.x < s.world) wait_at_least(ctx.weights_ready + threadIdx.x, 1, s, status, kCombineSend, threadIdx.x);
   __syncthreads();
   mark(ctx, kCombineSend, kWaited);
@@ -199,8 +199,8 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x < s.world) {
-      nvshmemx_signal_op(ctx.partials_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
-      if (threadIdx.x != s.rank) nvshmemx_signal_op(ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+      signal_peer(ctx, ctx.partials_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+      if (threadIdx.x != s.rank) signal_peer(ctx, ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
     }
     mark(ctx, kCombineSend, kEnd, true);
   }

@@ -23,6 +23,19 @@ __device__ inline T* peer_ptr(const Context& ctx, T* ptr, int pe) {
   return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(ptr) + ctx.peer_offset[pe]);
 }
 
+// SETs or ADDs to rank pe's copy of a signal word. On NVLink (Context::p2p) a volatile store or a system-scope atomic
+// through peer_ptr, as nvshmemx_signal_op does there, without its first step: a load of the peer's heap base from
+// NVSHMEM's device state (a dependent load, ~0.35 us on a kernel's first pass: benchmarks/NOTES.md, entry 14). The
+// caller fences first, as with nvshmemx_signal_op.
+__device__ inline void signal_peer(const Context& ctx, uint64_t* word, uint64_t value, int op, int pe) {
+  if (!ctx.p2p) return nvshmemx_signal_op(word, value, op, pe);
+  uint64_t* dest = peer_ptr(ctx, word, pe);
+  if (op == NVSHMEM_SIGNAL_SET)
+    *reinterpret_cast<volatile uint64_t*>(dest) = value;
+  else
+    atomicAdd_system(reinterpret_cast<unsigned long long*>(dest), value);
+}
+
 // Records the first error of a call into status (the phase's scratch words); later errors keep the first.
 __device__ inline void report(int32_t* status, int32_t code, int32_t phase, int32_t a, int32_t b) {
   if (atomicCAS(reinterpret_cast<int*>(&status[0]), 0, code) == 0) {

@@ -255,10 +255,10 @@ inline size_t dispatch_recv_shared_bytes(const Sizes& s) {
 }
 
 
-// A block per two arrived tokens (a warp per row to copy), up to two per SM (every block also redoes the histogram
-// over all arrivals); at least enough blocks for the -1 / padding sweep over capacity.
+// A block per arrived token (a warp per slot), up to two per SM (every block also redoes the histogram over all
+// arrivals); at least enough blocks for the -1 / padding sweep over capacity.
 inline int dispatch_recv_blocks(const Sizes& s) {
-  return std::max(blocks_for(s.num_dp * s.max_tokens, 2, 2 * s.sm_count), blocks_for(s.capacity, kThreads, s.sm_count));
+  return std::max(blocks_for(s.num_dp * s.max_tokens, 1, 2 * s.sm_count), blocks_for(s.capacity, kThreads, s.sm_count));
 }
 
 }  // namespace jmc

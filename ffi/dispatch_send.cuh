@@ -56,12 +56,53 @@ __device__ inline void write_token_row(char* row, const Sizes& s, const Dispatch
   if (lane < s.experts_per_token) header[1 + lane] = a.topk_ids[static_cast<size_t>(t) * s.experts_per_token + lane];
 }
 
+// Token t's row into slot `slot` of every rank that hosts one of its live experts (a lane's dest_of_lane), NVLink
+// path. When the payload and the scales fit one pass of loads (kCopyDepth 16-byte words per lane for the payload,
+// one for the scales: R1's fp8 rows, V2-Lite's bf16 ones) they are loaded once and stored to each rank: a
+// write_token_row per rank reloaded them, after the first rank's stores (the loads may not pass stores that could
+// alias them).
+__device__ inline void store_token_row(const Context& ctx, size_t slot, const DispatchSendArgs& a, int t, int lane,
+                                       int dest_of_lane) {
+  const Sizes& s = ctx.s;
+  char* row = ctx.dispatch_slots + slot * s.token_stride;  // this rank's copy; a peer's is peer_ptr(row, d)
+  const char* x = static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes;
+  const float* scales = a.scales + static_cast<size_t>(t) * s.scale_cols;
+  const int scale_bytes = 4 * s.scale_cols;
+  const uintptr_t scales_at = s.scale_cols ? reinterpret_cast<uintptr_t>(scales) : 0;  // no scales: any pointer
+  const bool aligned = ((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(x) | scales_at |
+                         s.payload_bytes | scale_bytes) & 15) == 0;
+  const int payload_words = s.payload_bytes / 16, scale_words = scale_bytes / 16;
+  if (!aligned || payload_words > 32 * kCopyDepth || scale_words > 32) {
+    for (int d = 0; d < s.world; ++d)
+      if (__any_sync(0xffffffffu, dest_of_lane == d)) write_token_row(peer_ptr(ctx, row, d), s, a, t, lane);
+    return;
+  }
+  int4 words[kCopyDepth], scale_word = make_int4(0, 0, 0, 0);
+#pragma unroll
+  for (int j = 0; j < kCopyDepth; ++j)
+    if (j * 32 + lane < payload_words) words[j] = reinterpret_cast<const int4*>(x)[j * 32 + lane];
+  if (lane < scale_words) scale_word = reinterpret_cast<const int4*>(scales)[lane];
+  const int K = s.experts_per_token;
+  const int id = lane < K ? a.topk_ids[static_cast<size_t>(t) * K + lane] : 0;
+  for (int d = 0; d < s.world; ++d) {
+    if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
+    char* peer_row = peer_ptr(ctx, row, d);
+#pragma unroll
+    for (int j = 0; j < kCopyDepth; ++j)
+      if (j * 32 + lane < payload_words) reinterpret_cast<int4*>(peer_row)[j * 32 + lane] = words[j];
+    if (lane < scale_words) reinterpret_cast<int4*>(peer_row + scales_offset(s))[lane] = scale_word;
+    auto* header = reinterpret_cast<int32_t*>(peer_row + header_offset(s));
+    if (lane == 0) header[0] = t;
+    if (lane < K) header[1 + lane] = id;
+  }
+}
+
 // Once every block is done (its stores fenced / its puts quiet): the last block SETs our ready word everywhere.
 __device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& a, int my_tokens, bool advance) {
   if (finish_phase(ctx, kDispatchSend, a.status, advance)) {
     __threadfence_system();
     if (threadIdx.x < ctx.s.world)
-      nvshmemx_signal_op(ctx.dispatch_ready + ctx.s.rank, my_tokens + 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+      signal_peer(ctx, ctx.dispatch_ready + ctx.s.rank, my_tokens + 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
     mark(ctx, kDispatchSend, kEnd, true);
   }
 }
@@ -96,12 +137,11 @@ __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendA
     mark(ctx, kDispatchSend, kStep1);  // the token's ids read (block 0's last token)
     const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
     for (int d = 0; d < s.world; ++d) {
-      if (d == 1) mark(ctx, kDispatchSend, kStep2);  // rank 0's copies issued
       int32_t* ids_row = peer_ptr(ctx, ctx.dispatch_ids + slot * K, d);
       if (lane < K) ids_row[lane] = id;
-      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
-      write_token_row(peer_ptr(ctx, ctx.dispatch_slots + slot * s.token_stride, d), s, a, t, lane);
     }
+    mark(ctx, kDispatchSend, kStep2);  // the ids rows stored
+    store_token_row(ctx, slot, a, t, lane, dest_of_lane);
   }
   mark(ctx, kDispatchSend, kWorked);
   __threadfence_system();  // this thread's stores reach every peer before the ready signal
