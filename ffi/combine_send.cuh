@@ -127,12 +127,15 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   const bool vector_ok = H % kChunk == 0 && (H * sizeof(In)) % 16 == 0;
   const bool vector_out = vector_ok && (H * sizeof(Partial)) % 16 == 0;
   const int segments = row_segments(s);
-  int arrivals = 0;  // numbered source by source
-  for (int src = 0; src < s.world; ++src) arrivals += tokens_of(src);
-  for (int item = gwarp; item < arrivals * segments; item += nwarps) {
-    int src = 0, i = item / segments;
-    const int seg = item % segments;
-    while (i >= tokens_of(src)) i -= tokens_of(src++);
+  // Arrived tokens interleaved by source (token i of every source, then token i + 1), so that from the start the
+  // warps store partial rows to every rank at once. Numbered source by source, the first half of the items sent
+  // only to one rank (for one of the two ranks at EP2: its own HBM) and the second half only to the other (the
+  // link), one after the other.
+  int most = 0;  // tokens of the largest source
+  for (int src = 0; src < s.world; ++src) most = max(most, tokens_of(src));
+  for (int item = gwarp; item < most * s.world * segments; item += nwarps) {
+    const int src = item / segments % s.world, i = item / segments / s.world, seg = item % segments;
+    if (i >= tokens_of(src)) continue;  // a source with fewer tokens
     const int g = src / s.dp_size;
     const size_t slot = static_cast<size_t>(src) * s.slots_per_source + i;
     const int32_t* ids = ctx.dispatch_ids + slot * K;
