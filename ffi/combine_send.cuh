@@ -131,58 +131,75 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   // warps store partial rows to every rank at once. Numbered source by source, the first half of the items sent
   // only to one rank (for one of the two ranks at EP2: its own HBM) and the second half only to the other (the
   // link), one after the other.
+  // Each source's token count, read once per block (the ready words are volatile: a load per item was one more
+  // L2 round trip ahead of every item's lookups).
+  __shared__ int arrived_from[kMaxNvlinkPeers];
+  for (int src = threadIdx.x; src < s.world; src += blockDim.x) arrived_from[src] = tokens_of(src);
+  __syncthreads();
   int most = 0;  // tokens of the largest source
-  for (int src = 0; src < s.world; ++src) most = max(most, tokens_of(src));
+  for (int src = 0; src < s.world; ++src) most = max(most, arrived_from[src]);
   for (int item = gwarp; item < most * s.world * segments; item += nwarps) {
     const int src = item / segments % s.world, i = item / segments / s.world, seg = item % segments;
-    if (i >= tokens_of(src)) continue;  // a source with fewer tokens
+    if (i >= arrived_from[src]) continue;  // a source with fewer tokens
     const int g = src / s.dp_size;
     const size_t slot = static_cast<size_t>(src) * s.slots_per_source + i;
     const int32_t* ids = ctx.dispatch_ids + slot * K;
     const int t = src % s.dp_size + i * s.dp_size;
-    int rows[kMaxExpertsPerToken];
-    float weights[kMaxExpertsPerToken];
-    int local = 0, live = 0;  // live slots here; those with a row
-    for (unsigned m = live_slots(ids, K, s.num_experts); m; m &= m - 1) {
-      const int k = __ffs(m) - 1;
-      if (ids[k] / L != s.rank) continue;
-      ++local;
-      const int origin = (g * T + t) * K + k;
-      const int row = ctx.row_of[origin];
+    // The token's rows here, a lane per slot (k = lane), so the lookups of all its slots are in flight together:
+    // the ids row, then row_of and the weight, then row_origin (slot after slot, two dependent loads per local slot
+    // came before the first expert row's load).
+    const unsigned live = live_slots(ids, K, s.num_experts);
+    const int id = lane < K ? ids[lane] : -1;
+    const bool local_slot = (live >> lane & 1u) && id / L == s.rank;
+    if (__ballot_sync(0xffffffffu, local_slot) == 0) continue;  // no live slot here: the source adds no partial
+    int row = -1;
+    float weight = 0.f;
+    if (local_slot) {
+      const int origin = (g * T + t) * K + lane;
+      const int r = ctx.row_of[origin];
+      weight = ctx.combine_weights[slot * K + lane];
       // A live slot without a row (capacity overflow, which dispatch_recv reported, or a handle of another
       // routing) contributes nothing; the token's partial row is still written (the source adds it).
-      if (row < 0 || row >= s.capacity || a.row_origin[row] != origin) continue;
-      rows[live] = row;
-      weights[live++] = ctx.combine_weights[slot * K + k];
+      if (r >= 0 && r < s.capacity && a.row_origin[r] == origin) row = r;
     }
-    if (local == 0) continue;
+    const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);  // the slots summed, in slot order
     char* dst = ctx.combine_partials + (static_cast<size_t>(s.rank) * T + t) * s.combine_stride;
     const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
     float acc[kSegChunks][kChunk] = {};
-    // Slots in order, like the reference; kExpertRowsInFlight rows' chunks are loaded before any is added.
-    for (int j0 = 0; j0 < live; j0 += kExpertRowsInFlight) {
+    // Slots in order, like the reference; kExpertRowsInFlight rows' chunks are loaded before any is added. A row and
+    // its weight come from its slot's lane.
+    for (unsigned pending = with_row; pending;) {
+      const In* rows[kExpertRowsInFlight];
+      float weights[kExpertRowsInFlight];
+      bool has[kExpertRowsInFlight];
+#pragma unroll
+      for (int b = 0; b < kExpertRowsInFlight; ++b) {
+        has[b] = pending != 0;
+        const int k = has[b] ? __ffs(pending) - 1 : 0;
+        pending &= pending - 1;
+        const int r = max(__shfl_sync(0xffffffffu, row, k), 0);  // 0: no row (not loaded)
+        rows[b] = static_cast<const In*>(a.expert_y) + static_cast<size_t>(r) * H;
+        weights[b] = __shfl_sync(0xffffffffu, weight, k);
+      }
       if (vector_ok) {
         Chunk<In> v[kExpertRowsInFlight][kSegChunks];
-#pragma unroll
-        for (int b = 0; b < kExpertRowsInFlight; ++b) {
-          const In* row = static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[min(j0 + b, live - 1)]) * H;
-#pragma unroll
-          for (int u = 0; u < kSegChunks; ++u)
-            if (j0 + b < live && col_of(u) < H) v[b][u] = *reinterpret_cast<const Chunk<In>*>(row + col_of(u));
-        }
 #pragma unroll
         for (int b = 0; b < kExpertRowsInFlight; ++b)
 #pragma unroll
           for (int u = 0; u < kSegChunks; ++u)
-            if (j0 + b < live && col_of(u) < H)
+            if (has[b] && col_of(u) < H) v[b][u] = *reinterpret_cast<const Chunk<In>*>(rows[b] + col_of(u));
 #pragma unroll
-              for (int c = 0; c < kChunk; ++c) acc[u][c] += weights[j0 + b] * to_float(v[b][u].v[c]);
-      } else {
-        for (int j = j0; j < min(j0 + kExpertRowsInFlight, live); ++j) {
-          const In* row = static_cast<const In*>(a.expert_y) + static_cast<size_t>(rows[j]) * H;
+        for (int b = 0; b < kExpertRowsInFlight; ++b)
+#pragma unroll
           for (int u = 0; u < kSegChunks; ++u)
-            if (col_of(u) < H) add_chunk(acc[u], weights[j], row + col_of(u), false, min(kChunk, H - col_of(u)));
-        }
+            if (has[b] && col_of(u) < H)
+#pragma unroll
+              for (int c = 0; c < kChunk; ++c) acc[u][c] += weights[b] * to_float(v[b][u].v[c]);
+      } else {
+        for (int b = 0; b < kExpertRowsInFlight; ++b)
+          for (int u = 0; u < kSegChunks; ++u)
+            if (has[b] && col_of(u) < H)
+              add_chunk(acc[u], weights[b], rows[b] + col_of(u), false, min(kChunk, H - col_of(u)));
       }
     }
     for (int r = 0; r < s.dp_size; ++r) {
