@@ -46,6 +46,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -268,9 +269,12 @@ def _metadata(aux) -> list:
 
 
 def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
-    """n round trips; only the first runs the expert stand-in (its result is the one checked). Later ones combine
-    that same expert_y, tied to their own dispatch by an optimization barrier (no copy, no kernel), so that the
-    per-step time is the round trip's communication, not an elementwise pass over the whole receive buffer."""
+    """n round trips, each tied to the last by data (never by an optimization barrier alone: XLA may drop a
+    barrier before it merges identical collectives, and the chain then runs as one round trip). Only the first runs
+    the expert stand-in (its result is the one checked); later ones combine that same expert_y with one row replaced
+    from their own dispatch's rows and scales (an in-place one-row update, not a pass over the receive buffer). The
+    next dispatch takes x + EPS * y (every element of y read, as a residual add reads it) and scales updated from
+    y likewise, so no two collectives of the chain have the same inputs."""
 
     def body(x, scales, ids, w):
         y = expert_y = None
@@ -278,10 +282,13 @@ def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
             rows, row_scales, aux = impl.dispatch(x, scales, ids)
             if expert_y is None:
                 expert_y = expert_stand_in(cfg, rows, row_scales)
-            else:  # combine starts after this dispatch has delivered its rows
-                expert_y, _ = jax.lax.optimization_barrier((expert_y, rows))
+            else:  # combine starts after this dispatch has delivered its rows (and their scales)
+                extra = 0.0 if row_scales is None else row_scales[:1, :1]
+                expert_y = expert_y.at[:1].set(_step(expert_y[:1], rows[:1], extra))
             y = impl.combine(expert_y, aux, w)
             x = _step(x, y)
+            if scales is not None:
+                scales = _step(scales, y[:, : scales.shape[1]])
         return x, y
 
     return body
@@ -316,6 +323,26 @@ def combine_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
 def lower_chain(body: Callable, mesh: Mesh, args: tuple):
     """jit(shard_map(body)) over the EP axis, every argument and result sharded by rows, lowered for `args`."""
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))).lower(*args)
+
+
+# A collective, or one of this package's FFI calls, in a compiled program's optimized HLO.
+_COMMUNICATION_OP = re.compile(
+    r"\b(?:ragged-all-to-all|all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(|"
+    r'custom_call_target="jmc_')
+
+
+def communication_ops(compiled) -> int:
+    """How many communication ops XLA kept in a compiled chain (each round trip has at least one per direction)."""
+    return len(_COMMUNICATION_OP.findall(compiled.as_text()))
+
+
+def merged_steps(pair, n: int, per_step: int) -> str | None:
+    """Why a compiled (1-chain, n-chain) pair cannot time one step: XLA merged or dropped chained steps."""
+    one, many = (communication_ops(fn) for fn in pair)
+    if many - one >= per_step * (n - 1):
+        return None
+    return (f"XLA merged chained steps: {many} communication ops in the {n}-chain, {one} in the 1-chain "
+            f"(expected at least {per_step} more per step)")
 
 
 def timed(fn, args) -> float:
@@ -498,6 +525,11 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
                     compiled[part] = tuple(f.result() for f in pair)
                 except Exception as exc:  # noqa: BLE001
                     errors[part] = short_error(exc)
+        for part, pair in list(compiled.items()):  # a round trip sends both ways; a half, one way
+            reason = merged_steps(pair, n, 2 if part == "total" else 1)
+            if reason is not None:
+                del compiled[part]
+                errors[part] = reason
         for part in builders:  # every process must run the same programs
             if not all_processes_ok(part in compiled) and part in compiled:
                 del compiled[part]

@@ -208,3 +208,43 @@ def test_baseline_round_trip_fp8_with_scales(make_mesh, rng):
     deq = (xq.astype(np.float32).reshape(-1, H // B, B) * scales[:, :, None]).reshape(-1, H)
     want = _brute_force(deq.astype(jnp.bfloat16).astype(np.float32), ids, w, lambda r: r)
     np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("backend", ["padded", "reference"])
+def test_round_trip_chain_keeps_every_round_trip(backend, make_mesh):
+    """XLA runs n chained round trips as n (none merged with another for identical inputs, none dropped as unused),
+    and the bench's check says so; a chain tied only by optimization barriers is merged, and the check says that."""
+    from jax_moe_comm import bench
+
+    mesh = make_mesh(2)
+    cfg, T, n = bench.QUICK_CONFIGS["r1"], 8, 3
+    rng = bench.seeded(1)
+    x, scales = bench.make_tokens(rng, cfg, 2 * T)
+    ids, w = bench.make_routing(rng, cfg, 2 * T)
+    args = tuple(bench.to_global(a, mesh) for a in (x, scales, ids, w))
+    impl = bench.make_impl(backend, cfg, T, mesh, check_errors=False)
+
+    def compiled(chain):
+        return [bench.lower_chain(chain(impl, cfg, steps), mesh, args).compile() for steps in (1, n)]
+
+    pair = compiled(bench.round_trip_chain)
+    one, many = (bench.communication_ops(fn) for fn in pair)
+    # Every step's payload collectives stay; only those of the routing alone (the same ids each step) may be shared.
+    assert one >= 2 and many - one >= 2 * (n - 1)
+    assert bench.merged_steps(pair, n, 2) is None
+
+    def barrier_chain(impl, cfg, steps):
+        def body(x, scales, ids, w):
+            expert_y = y = None
+            for _ in range(steps):
+                rows, row_scales, aux = impl.dispatch(x, scales, ids)
+                if expert_y is None:
+                    expert_y = bench.expert_stand_in(cfg, rows, row_scales)
+                else:
+                    expert_y, _ = jax.lax.optimization_barrier((expert_y, rows))
+                y = impl.combine(expert_y, aux, w)
+                x, _ = jax.lax.optimization_barrier((x, y))
+            return x, y
+        return body
+
+    assert "XLA merged chained steps" in bench.merged_steps(compiled(barrier_chain), n, 2)
