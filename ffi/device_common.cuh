@@ -140,6 +140,30 @@ __device__ inline void warp_copy(void* dst, const void* src, int bytes, int lane
   for (int i = vecs * 16 + lane; i < bytes; i += 32) d[i] = s[i];
 }
 
+// Two warp_copy's (a row's payload and its scales) with the loads of both in flight before any store, when they fit
+// one pass (kCopyDepth words per lane for the first, one for the second); otherwise one after the other.
+__device__ inline void warp_copy_pair(void* dst, const void* src, int bytes, void* dst2, const void* src2, int bytes2,
+                                      int lane) {
+  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         reinterpret_cast<uintptr_t>(dst2) | reinterpret_cast<uintptr_t>(src2) | bytes | bytes2) &
+                        15) == 0;
+  const int vecs = bytes / 16, vecs2 = bytes2 / 16;
+  if (!aligned || vecs > 32 * kCopyDepth || vecs2 > 32) {
+    warp_copy(dst, src, bytes, lane);
+    if (bytes2 > 0) warp_copy(dst2, src2, bytes2, lane);
+    return;
+  }
+  int4 words[kCopyDepth], word2 = make_int4(0, 0, 0, 0);
+#pragma unroll
+  for (int j = 0; j < kCopyDepth; ++j)
+    if (j * 32 + lane < vecs) words[j] = static_cast<const int4*>(src)[j * 32 + lane];
+  if (lane < vecs2) word2 = static_cast<const int4*>(src2)[lane];
+#pragma unroll
+  for (int j = 0; j < kCopyDepth; ++j)
+    if (j * 32 + lane < vecs) static_cast<int4*>(dst)[j * 32 + lane] = words[j];
+  if (lane < vecs2) static_cast<int4*>(dst2)[lane] = word2;
+}
+
 __device__ inline void warp_zero(void* dst, int bytes, int lane) {
   const int vecs = bytes / 16;
   auto* d4 = reinterpret_cast<int4*>(dst);

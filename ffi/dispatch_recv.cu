@@ -4,7 +4,8 @@
 namespace jmc {
 namespace {
 
-__global__ void dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
+// Two blocks per SM (at most 128 registers), as dispatch_recv_blocks plans.
+__global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
   if (begin_phase(ctx, kDispatchRecv, a.status))
     receive_tokens(ctx, a);
   else

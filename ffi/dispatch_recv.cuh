@@ -179,36 +179,43 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
 
   // 3. This block's share, a batch of blockDim arrivals at a time. A token's row for local expert l lands at
   //    group_base[l, g] + the rows for l of the group's earlier tokens: those before the batch (`before`) and
-  //    those of the batch (bit masks). A warp per (token, slot) copies the row.
+  //    those of the batch (bit masks). A warp per (token, slot) copies the row. The thread that reads a token's ids
+  //    for the bits also notes its slots here (local_slots) and their experts (slot_expert, slots below
+  //    kUnrolledSlots), so a copy starts with its row's loads: reading the ids again put an L2 round trip before
+  //    every copy, and one more before every slot with no copy here.
+  __shared__ unsigned local_slots[kThreads];
+  __shared__ int16_t slot_expert[kThreads][kUnrolledSlots];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   for (int batch = share_begin; batch < share_end; batch += blockDim.x) {
     const int mine = batch + threadIdx.x;  // this thread's arrival: its bits
+    unsigned here = 0;
     if (mine < share_end) {
       const int32_t* ids = ids_of_arrival(mine, group_of(mine));
       for (unsigned m = live_slots(ids, K, s.num_experts); m; m &= m - 1) {
-        const int l = ids[__ffs(m) - 1] - first_local;
-        if (l >= 0 && l < L) atomicOr(&hits[l * kBitWords + warp], 1u << lane);
+        const int k = __ffs(m) - 1, l = ids[k] - first_local;
+        if (l < 0 || l >= L) continue;  // an expert of another rank
+        atomicOr(&hits[l * kBitWords + warp], 1u << lane);
+        here |= 1u << k;
+        if (k < kUnrolledSlots) slot_expert[threadIdx.x][k] = static_cast<int16_t>(l);
       }
     }
+    local_slots[threadIdx.x] = here;
     __syncthreads();
     const int batch_tokens = min(static_cast<int>(blockDim.x), share_end - batch);
     for (int h = warp; h < batch_tokens * K; h += warps) {  // a warp per (token, slot) of the batch
-      const int j = h / K, k = h % K, i = batch + j, g = group_of(i), t = i - group_first[g];
-      const int32_t* ids = ids_of_arrival(i, g);
-      if (!(live_slots(ids, K, s.num_experts) >> k & 1u)) continue;
-      const int l = ids[k] - first_local;
-      if (l < 0 || l >= L) continue;  // an expert of another rank
+      const int j = h / K, k = h % K, i = batch + j;
+      if (!(local_slots[j] >> k & 1u)) continue;  // not live, or an expert of another rank
+      const int g = group_of(i), t = i - group_first[g];
+      const int l = k < kUnrolledSlots ? slot_expert[j][k] : ids_of_arrival(i, g)[k] - first_local;
       const int from = max(group_first[g] - batch, 0);  // the batch's first arrival of group g
       const int p = group_base[l * G + g] + before[l * G + g] + count_bits(hits + l * kBitWords, from, j);
       if (p >= s.capacity) continue;  // overflow: reported above, never written
       const Arrival src = arrival_of(s, g, t);
       const char* row = ctx.dispatch_slots + (static_cast<size_t>(src.src) * s.slots_per_source + src.slot) *
                                                  s.token_stride;
-      warp_copy(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, row, s.payload_bytes,
-                lane);
-      if (s.scale_cols)
-        warp_copy(a.expert_scales + static_cast<size_t>(p) * s.scale_cols, row + scales_offset(s), 4 * s.scale_cols,
-                  lane);
+      warp_copy_pair(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, row, s.payload_bytes,
+                     a.expert_scales + static_cast<size_t>(p) * s.scale_cols, row + scales_offset(s),
+                     4 * s.scale_cols, lane);
       if (lane == 0) a.row_origin[p] = (g * s.max_tokens + t) * K + k;
     }
     __syncthreads();  // every warp has read `before` and the bits: the next batch counts on
