@@ -52,6 +52,8 @@ CASES = {
     "fp8+scales K8": (C(32, 8, 512, 16, dtype=jnp.float8_e4m3fn, scale_block=128), "uniform"),
     "-1 slots": (C(8, 4, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32), "dropped"),
     "skewed: all to expert 0": (C(8, 3, 64, 32, dtype=jnp.bfloat16), "skewed"),
+    "bf16 H 7168: rows past one pass of loads": (C(16, 4, 7168, 16, dtype=jnp.bfloat16), "uniform"),
+    "bf16 H 100: rows not 16-byte aligned": (C(8, 2, 100, 16, dtype=jnp.bfloat16), "uniform"),
     # 80,000 arrivals: more than 256 per block of dispatch_recv (its grid is at most two blocks per SM, 264 here,
     # in the fused kernel at most co-residency), so each block places its share over several batches of 256.
     "many tokens: several batches per block": (C(16, 2, 128, 40000, dtype=jnp.float32, out_dtype=jnp.float32),

@@ -485,6 +485,10 @@ def main() -> int:
         ("K1", lambda s: run_case(mesh, s, "", C(8, 1, 64, 16, dtype=f32, out_dtype=f32))),
         ("L1 (E == world)", lambda s: run_case(mesh, s, "", C(world, 1, 64, 16, dtype=f32, out_dtype=f32))),
         ("align 8", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=bf16, align=8))),
+        # Rows the one-pass copies do not take: longer than a pass of 16-byte loads (14 KB), and not 16-byte aligned
+        # (the element-wise paths of every phase).
+        ("bf16 H 7168: rows past one pass of loads", lambda s: run_case(mesh, s, "", C(16, 4, 7168, 16, dtype=bf16))),
+        ("bf16 H 100: rows not 16-byte aligned", lambda s: run_case(mesh, s, "", C(8, 2, 100, 16, dtype=bf16))),
         ("num_tokens 0", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32), num_tokens="zero")),
         ("num_tokens partial", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32),
                                                   num_tokens="partial")),
