@@ -2,7 +2,7 @@
 # Compares prepared changes in one call on the GPU machine: tests/gpu/run.sh once on the tree as it is ("base"),
 # then once per patch, each applied alone and reverted after. Each run's summary.txt and logs.tar.gz go to
 # $OUT/<name>/; the comparable lines (cases and harness counts, marks round trips, bench rows) are printed last.
-#   git diff main small-t-steps > exp_small_t.patch       # here: a patch is a file in the tree (untracked is fine)
+#   git diff main...small-t-steps > exp_small_t.patch    # here: a patch is a file in the tree (untracked is fine)
 #   PATCHES="exp_small_t.patch exp_t4096.patch" RUN_ENV="TESTS=cases HARNESS=1 MARKS=1,128,4096" \
 #     bash tests/gpu/try_patches.sh                        # there
 # RUN_ENV: run.sh's variables for every run (quoted values allowed); RUN_TIMEOUT: seconds per run (default 300);
