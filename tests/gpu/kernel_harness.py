@@ -167,7 +167,8 @@ def fused_args(args):
 def round_trip_launches(args, fused):
     """[(phase, arguments)] of dispatch, then of combine: two kernels each, or one (fused)."""
     if fused:
-        return [[("dispatch", fused_args(args)[0])], [("combine", fused_args(args)[1])]]
+        dispatch, combine = fused_args(args)
+        return [[("dispatch", dispatch)], [("combine", combine)]]
     return [list(zip(PHASES[:2], args[:2], strict=True)), list(zip(PHASES[2:], args[2:], strict=True))]
 
 
