@@ -56,6 +56,7 @@ struct Sizes {
 constexpr int kMaxNvlinkPeers = 72;  // ranks whose peer offsets a Context holds (an NVLink domain); more: staged
 constexpr int kMaxExpertsPerToken = 32;  // jax_moe_comm/nvshmem_backend.py MAX_EXPERTS_PER_TOKEN
 constexpr int kThreads = 256;  // threads per block of every kernel (8 warps)
+constexpr int kMaxBlocksPerSm = 2048 / kThreads;  // resident blocks of kThreads an SM can hold
 
 struct Context {
   Sizes s;
@@ -82,6 +83,9 @@ struct Context {
   int32_t* row_of;            // [num_dp][max_tokens][K] packed row of (group, token, slot): row_origin inverted by
                               // the pre-reduced combine_send (entries are checked against row_origin before use)
   uint64_t* marks;            // [4 phases][kMarks] (device memory, not symmetric), or null: no stamps
+  int32_t* block_counts;      // [L * num_dp][kMaxBlocksPerSm * sm_count] (device memory, not symmetric; NVLink path,
+                              // else null): rows of each (local expert, group) in each fused dispatch block's share
+                              // of the arrivals (dispatch_recv's split histogram)
   int64_t peer_offset[kMaxNvlinkPeers];  // with p2p: bytes from a local symmetric address to rank pe's copy of it
                                          // as this GPU maps it (peer_ptr; what nvshmem_ptr computes on the device)
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are

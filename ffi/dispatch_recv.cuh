@@ -1,11 +1,13 @@
 // dispatch_recv: wait for every source's ready word, then fan the arrived tokens out to this rank's experts:
 // expert_x is packed by (local expert, source DP group, token), each expert padded to `align`; write group_sizes
-// and row_origin. Every block derives the whole layout from the ids rows (a histogram and a block scan), then copies
+// and row_origin. Every block derives the whole layout from the ids rows (a histogram, or in the fused dispatch with
+// many arrivals the blocks' histograms of their shares summed after a grid barrier, and a block scan), then copies
 // the rows of its own contiguous share of the arrived tokens: where each lands follows from the tokens before it,
 // counted in the same histogram pass (before the share) and in shared bit masks (inside it). The ready words are
 // reset by combine_send, which the stream runs after every block here has read them.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
 #include "device_common.cuh"
@@ -48,6 +50,10 @@ __device__ inline const int32_t* ids_of(const Context& ctx, Arrival a) {
   return ctx.dispatch_ids + (static_cast<size_t>(a.src) * ctx.s.slots_per_source + a.slot) * ctx.s.experts_per_token;
 }
 
+// Arrivals per block from which the fused dispatch's blocks histogram their own shares only (one grid barrier)
+// instead of every arrival each.
+constexpr int kSplitHistogramShare = 16;
+
 // Arrived tokens a block takes at a time: one per thread; their local experts as bit masks in shared memory.
 constexpr int kBitWords = kThreads / 32;
 
@@ -64,8 +70,9 @@ __device__ inline int count_bits(const unsigned* words, int from, int to) {
 }
 
 // The phase after its protocol-order check (dispatch_recv.cu), or right after the send in the fused dispatch
-// (dispatch.cu). Dynamic shared memory: dispatch_recv_shared_bytes.
-__device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs& a) {
+// (dispatch.cu). Dynamic shared memory: dispatch_recv_shared_bytes. `grid_may_wait`: every block of the grid is
+// resident (a cooperative launch), so blocks may wait for each other (a grid barrier).
+__device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs& a, bool grid_may_wait) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_temp;
   const Sizes& s = ctx.s;
@@ -111,46 +118,78 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
   auto ids_of_arrival = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, i - group_first[g])); };
 
   // 2. Rows per (local expert, group), and how many of them come from arrivals before this block's share: a
-  //    histogram over every arrived token's ids (counts, hence deterministic), a thread per arrival. Rows of up to
+  //    histogram over the arrived tokens' ids (counts, hence deterministic), a thread per arrival. Rows of up to
   //    kUnrolledSlots ids: several in flight per thread, then counted from registers (a load per slot between the
-  //    shared atomics made this pass ~50 us of the T=4096 dispatch).
-  //    One shared atomic per row: rows before the share go to `before`, the others to `count`, which takes `before`
-  //    in after the pass. (An atomic on both for the rows before the share made ~1.5 atomics per row; shared atomics
-  //    are the likely cost of this pass, ~31 us at T=4096.)
+  //    shared atomics made this pass ~50 us of the T=4096 dispatch). One shared atomic per row: rows before the
+  //    share go to `before`, the others to `count`, which takes `before` in after the pass.
+  //    Every block histograms every arrival, unless the grid may wait for itself (the fused dispatch: a cooperative
+  //    launch) and the shares are large: then each block histograms its own share, publishes it (block_counts), and
+  //    after a grid barrier sums the published counts, those of the blocks before it into `before` (every block
+  //    redoing the whole histogram took ~30 us at R1 T=4096).
   auto tally = [&](int e, int g, bool early) {
     const int l = e - first_local;
     if (l < 0 || l >= L) return;  // an expert of another rank
     atomicAdd(early ? &before[l * G + g] : &count[l * G + g], 1);
   };
-  if (K <= kUnrolledSlots) {
-    constexpr int kRowsInFlight = 4;
-    for (int base = threadIdx.x; base < arrivals; base += kRowsInFlight * blockDim.x) {
-      IdsRow rows[kRowsInFlight];
-      int group[kRowsInFlight];
+  const auto histogram = [&](int first, int last) {  // arrivals [first, last)
+    if (K <= kUnrolledSlots) {
+      constexpr int kRowsInFlight = 4;
+      for (int base = first + threadIdx.x; base < last; base += kRowsInFlight * blockDim.x) {
+        IdsRow rows[kRowsInFlight];
+        int group[kRowsInFlight];
 #pragma unroll
-      for (int r = 0; r < kRowsInFlight; ++r) {
-        const int i = base + r * blockDim.x;
-        group[r] = i < arrivals ? group_of(i) : 0;
-        rows[r] = i < arrivals ? load_ids_row(ids_of_arrival(i, group[r]), K) : load_ids_row(nullptr, 0);  // all -1
+        for (int r = 0; r < kRowsInFlight; ++r) {
+          const int i = base + r * blockDim.x;
+          group[r] = i < last ? group_of(i) : 0;
+          rows[r] = i < last ? load_ids_row(ids_of_arrival(i, group[r]), K) : load_ids_row(nullptr, 0);  // all -1
+        }
+#pragma unroll
+        for (int r = 0; r < kRowsInFlight; ++r) {
+          const unsigned live = live_mask(rows[r], s.num_experts);
+#pragma unroll
+          for (int k = 0; k < kUnrolledSlots; ++k)
+            if (live >> k & 1u) tally(rows[r].id[k], group[r], base + r * blockDim.x < share_begin);
+        }
       }
-#pragma unroll
-      for (int r = 0; r < kRowsInFlight; ++r) {
-        const unsigned live = live_mask(rows[r], s.num_experts);
-#pragma unroll
-        for (int k = 0; k < kUnrolledSlots; ++k)
-          if (live >> k & 1u) tally(rows[r].id[k], group[r], base + r * blockDim.x < share_begin);
+    } else {
+      for (int i = first + threadIdx.x; i < last; i += blockDim.x) {
+        const int g = group_of(i);
+        const int32_t* ids = ids_of_arrival(i, g);
+        for (int k = 0; k < K; ++k)
+          if (slot_is_live(ids, k, s.num_experts)) tally(ids[k], g, i < share_begin);
       }
+    }
+  };
+  if (grid_may_wait && ctx.block_counts != nullptr && arrivals >= kSplitHistogramShare * static_cast<int>(gridDim.x)) {
+    histogram(share_begin, share_end);  // `count` only: nothing here is before the share
+    __syncthreads();
+    const int blocks = gridDim.x, stride = (blocks + 3) / 4 * 4;  // block_counts[(l, g)][block]
+    for (int i = threadIdx.x; i < L * G; i += blockDim.x)
+      ctx.block_counts[static_cast<size_t>(i) * stride + blockIdx.x] = count[i];
+    __threadfence();
+    cooperative_groups::this_grid().sync();
+    for (int i = threadIdx.x; i < L * G; i += blockDim.x) {
+      const int4* row = reinterpret_cast<const int4*>(ctx.block_counts + static_cast<size_t>(i) * stride);
+      int early = 0, all = 0;
+#pragma unroll 8
+      for (int v = 0; v < stride / 4; ++v) {
+        const int4 c = __ldcg(row + v);  // L2: other SMs wrote them
+        const int n[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int b = 4 * v + j;
+          all += b < blocks ? n[j] : 0;
+          early += b < static_cast<int>(blockIdx.x) ? n[j] : 0;
+        }
+      }
+      before[i] = early;
+      count[i] = all;
     }
   } else {
-    for (int i = threadIdx.x; i < arrivals; i += blockDim.x) {
-      const int g = group_of(i);
-      const int32_t* ids = ids_of_arrival(i, g);
-      for (int k = 0; k < K; ++k)
-        if (slot_is_live(ids, k, s.num_experts)) tally(ids[k], g, i < share_begin);
-    }
+    histogram(0, arrivals);
+    __syncthreads();
+    for (int i = threadIdx.x; i < L * G; i += blockDim.x) count[i] += before[i];
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < L * G; i += blockDim.x) count[i] += before[i];
   __syncthreads();
   mark(ctx, kDispatchRecv, kStep1);  // histogram done
   for (int l = threadIdx.x; l < L; l += blockDim.x) {

@@ -144,6 +144,11 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   }
   if (std::getenv("JAX_MOE_COMM_STAGED")) ctx->p2p = false;  // force the staged puts (any transport)
   ctx->symmetric_bytes = bytes.total();
+  // The fused dispatch's per-block histograms (local device memory; NVLink path only). Without them every block
+  // histograms all arrivals. Never read before written in the same call: no zeroing.
+  const size_t count_bytes = static_cast<size_t>(sizes.local_experts) * sizes.num_dp * kMaxBlocksPerSm *
+                             sizes.sm_count * sizeof(int32_t);
+  if (ctx->p2p && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) ctx->block_counts = nullptr;
   if (std::getenv("JAX_MOE_COMM_KERNEL_MARKS") != nullptr &&
       (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
        cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess)) {
@@ -165,6 +170,7 @@ std::vector<uint64_t> take_kernel_marks(Context* ctx) {
 
 void destroy_context(Context* ctx) {
   if (ctx->marks != nullptr) cudaFree(ctx->marks);
+  if (ctx->block_counts != nullptr) cudaFree(ctx->block_counts);
   nvshmem_barrier_all();
   nvshmem_free(ctx->dispatch_staging);  // the start of the single allocation
   delete ctx;
