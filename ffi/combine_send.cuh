@@ -93,8 +93,8 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
 
   // 1. Our own token count is our own ready word (dispatch_send SETs it on every rank, this one included).
   const auto tokens_of = [&](int src) {
-    const uint64_t ready = *reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src);
-    return min(max(static_cast<int>(ready) - 1, 0), s.slots_per_source);
+    return min(max(token_count(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src)), 0),
+               s.slots_per_source);
   };
   const int my_tokens = tokens_of(s.rank);
   for (int i = gwarp; i < my_tokens; i += nwarps) {

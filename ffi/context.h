@@ -57,6 +57,7 @@ constexpr int kMaxNvlinkPeers = 72;  // ranks whose peer offsets a Context holds
 constexpr int kMaxExpertsPerToken = 32;  // jax_moe_comm/nvshmem_backend.py MAX_EXPERTS_PER_TOKEN
 constexpr int kThreads = 256;  // threads per block of every kernel (8 warps)
 constexpr int kMaxBlocksPerSm = 2048 / kThreads;  // resident blocks of kThreads an SM can hold
+constexpr int kIdsFirstMinTokens = 1024;  // Context::ids_first: a grid barrier and a second signal more per dispatch
 
 struct Context {
   Sizes s;
@@ -90,6 +91,9 @@ struct Context {
                                          // as this GPU maps it (peer_ptr; what nvshmem_ptr computes on the device)
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put
+  bool ids_first;             // the fused dispatch sends every ids row before any row (dispatch.cu): NVLink, one
+                              // replica per DP group, block_counts, and JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS (default
+                              // kIdsFirstMinTokens) tokens per rank or more
   size_t symmetric_bytes;
 };
 

@@ -36,6 +36,12 @@ __device__ inline void signal_peer(const Context& ctx, uint64_t* word, uint64_t 
     atomicAdd_system(reinterpret_cast<unsigned long long*>(dest), value);
 }
 
+// A source's dispatch ready word: its token count + 1 in the low half (0: not yet) once its ids rows have landed,
+// with kRowsLanded set once its rows have too (on the ids-first dispatch, dispatch.cu, a second SET; otherwise one
+// SET of count + 1 says both).
+constexpr uint64_t kRowsLanded = 1ull << 32;
+__device__ inline int token_count(uint64_t ready) { return static_cast<int>(ready & 0xffffffffu) - 1; }
+
 // Records the first error of a call into status (the phase's scratch words); later errors keep the first.
 __device__ inline void report(int32_t* status, int32_t code, int32_t phase, int32_t a, int32_t b) {
   if (atomicCAS(reinterpret_cast<int*>(&status[0]), 0, code) == 0) {

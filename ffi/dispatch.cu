@@ -22,28 +22,101 @@ __global__ void dispatch_kernel(Context ctx, DispatchSendArgs send, DispatchRecv
   receive_tokens(ctx, recv, true);
 }
 
+// This rank's own rows, read by its receive straight from x (one replica per DP group: its token t is token t).
+struct FromX {
+  const Sizes& s;
+  const DispatchSendArgs& a;
+  __device__ const char* payload(int, int t) const {
+    return static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes;
+  }
+  __device__ const void* scales(int, int t) const { return a.scales + static_cast<size_t>(t) * s.scale_cols; }
+};
+
+// The ids-first order (Context::ids_first: large T, one replica per DP group): the receive's layout needs only the
+// ids, and this rank's own rows need nothing from a peer, so the layout and the own rows are made while the rows
+// to peers are on the link, where the order above sends everything and then waits.
+//   1. Every token's ids row to every rank; a grid barrier; our ready word (count + 1) SET everywhere.
+//   2. Every source's ids: the layout (histogram_split, both passes' shares).
+//   3. Blocks [0, senders) store the rows to the other ranks; the others copy this rank's own tokens' rows from x
+//      (pass 0). Then the last block SETs kRowsLanded in our ready word on the other ranks.
+//   4. Every source's kRowsLanded; every block copies its share of the other ranks' tokens (pass 1) from the slots.
+__global__ void dispatch_ids_first_kernel(Context ctx, DispatchSendArgs send, DispatchRecvArgs recv) {
+  const Sizes& s = ctx.s;
+  int my_tokens;
+  if (!begin_send(ctx, send, &my_tokens)) {
+    if (blockIdx.x == 0 && threadIdx.x < kStatusWords) recv.status[threadIdx.x] = 0;
+    receive_nothing(ctx, recv);
+    return;
+  }
+  store_ids_rows(ctx, send, my_tokens);
+  __threadfence_system();  // this thread's ids reach every peer before the ready signal
+  cooperative_groups::this_grid().sync();
+  if (blockIdx.x == 0 && threadIdx.x < s.world) {
+    __threadfence_system();
+    signal_peer(ctx, ctx.dispatch_ready + s.rank, my_tokens + 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+  }
+  mark(ctx, kDispatchSend, kStep1);  // ids out, ready word set
+
+  mark(ctx, kDispatchRecv, kStart);
+  extern __shared__ int smem[];
+  Receive r = carve_receive(s, smem);
+  read_token_counts(ctx, r, s.rank);  // pass 0: our own tokens (group s.rank); pass 1: the others
+  mark(ctx, kDispatchRecv, kWaited);
+  const int senders = gridDim.x / 2;  // 0 in a grid of one block: it sends, then copies
+  const Share shares[2] = {share_of(r.first[0], s.num_dp, senders, gridDim.x - senders),
+                           share_of(r.first[1], s.num_dp, 0, gridDim.x)};
+  histogram_split(ctx, r, shares, 2);
+  mark(ctx, kDispatchRecv, kStep1);  // histogram done
+  derive_layout(ctx, recv, r);
+  mark(ctx, kDispatchRecv, kStep2);  // layout derived
+
+  if (static_cast<int>(blockIdx.x) < max(senders, 1)) {
+    store_remote_rows(ctx, send, my_tokens, max(senders, 1));
+    mark(ctx, kDispatchSend, kWorked);
+    __threadfence_system();  // this thread's rows reach every peer before the kRowsLanded signal
+    mark(ctx, kDispatchSend, kClosed);
+  }
+  if (static_cast<int>(blockIdx.x) >= senders) copy_share(ctx, recv, r, shares[0], FromX{s, send});
+  signal_rows_landed(ctx, send, my_tokens);
+
+  int32_t* status = phase_status(ctx, kDispatchRecv);
+  if (!r.timed_out)
+    for (int src = threadIdx.x; src < s.world; src += blockDim.x)
+      if (src != s.rank) wait_at_least(ctx.dispatch_ready + src, kRowsLanded, s, status, kDispatchRecv, src);
+  __syncthreads();
+  copy_share(ctx, recv, r, shares[1], FromSlots{ctx});
+  mark(ctx, kDispatchRecv, kWorked);
+  finish_receive(ctx, recv, r);
+}
+
+template <typename Kernel>
+cudaError_t launch_cooperative(Kernel kernel, int wanted_blocks, const Context& ctx, const DispatchSendArgs& send,
+                               const DispatchRecvArgs& recv, cudaStream_t stream) {
+  const size_t shared = dispatch_recv_shared_bytes(ctx.s);
+  if (shared > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
+    if (err != cudaSuccess) return err;
+  }
+  int per_sm = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared);
+  if (err != cudaSuccess) return err;
+  const int blocks = std::min(wanted_blocks, std::max(per_sm, 1) * ctx.s.sm_count);
+  Context c = ctx;
+  DispatchSendArgs send_args = send;
+  DispatchRecvArgs recv_args = recv;
+  void* params[] = {&c, &send_args, &recv_args};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), blocks, kThreads, params, shared, stream);
+}
+
 }  // namespace
 
 cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, const DispatchRecvArgs& recv,
                             cudaStream_t stream) {
   if (!ctx.p2p) return cudaErrorNotSupported;  // the staged send is cooperative on its own: two kernels there
-  const size_t shared = dispatch_recv_shared_bytes(ctx.s);
-  if (shared > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(shared));
-    if (err != cudaSuccess) return err;
-  }
-  int per_sm = 0;
-  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel, kThreads, shared);
-  if (err != cudaSuccess) return err;
-  const int blocks = std::min(std::max(dispatch_send_blocks(ctx.s), dispatch_recv_blocks(ctx.s)),
-                              std::max(per_sm, 1) * ctx.s.sm_count);
-  Context c = ctx;
-  DispatchSendArgs send_args = send;
-  DispatchRecvArgs recv_args = recv;
-  void* params[] = {&c, &send_args, &recv_args};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dispatch_kernel), blocks, kThreads, params, shared,
-                                     stream);
+  const int wanted = std::max(dispatch_send_blocks(ctx.s), dispatch_recv_blocks(ctx.s));
+  if (ctx.ids_first) return launch_cooperative(dispatch_ids_first_kernel, wanted, ctx, send, recv, stream);
+  return launch_cooperative(dispatch_kernel, wanted, ctx, send, recv, stream);
 }
 
 }  // namespace jmc

@@ -69,224 +69,317 @@ __device__ inline int count_bits(const unsigned* words, int from, int to) {
   return n;
 }
 
-// The phase after its protocol-order check (dispatch_recv.cu), or right after the send in the fused dispatch
-// (dispatch.cu). Dynamic shared memory: dispatch_recv_shared_bytes. `grid_may_wait`: every block of the grid is
-// resident (a cooperative launch), so blocks may wait for each other (a grid barrier).
-__device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs& a, bool grid_may_wait) {
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ typename Scan::TempStorage scan_temp;
-  const Sizes& s = ctx.s;
-  int32_t* status = phase_status(ctx, kDispatchRecv);
-  const int L = s.local_experts, G = s.num_dp, K = s.experts_per_token, first_local = s.rank * L;
-  extern __shared__ int smem[];
-  int* group_tokens = smem;                  // [G] tokens of each DP group
-  int* group_first = group_tokens + G;       // [G + 1] arrival number of each group's first token
-  int* count = group_first + G + 1;          // [L * G] rows of (local expert, group)
-  int* before = count + L * G;               // [L * G] of those, from arrivals before this block's next batch
-  int* expert_rows = before + L * G;         // [L] padded, then unpadded, rows per expert
-  int* expert_start = expert_rows + L;       // [L + 1] packed start of each expert
-  int* group_base = expert_start + L + 1;    // [L * G] packed start of (local expert, group)
-  auto* hits = reinterpret_cast<unsigned*>(group_base + L * G);  // [L][kBitWords] the batch's tokens per expert
+// A receive's layout state, in dynamic shared memory (dispatch_recv_shared_bytes).
+struct Receive {
+  int* group_tokens;  // [G] tokens of each DP group
+  int* first[2];      // [G + 1] each: arrival number of each group's first token in each pass (below)
+  int* count;         // [L * G] rows of (local expert, group)
+  int* before;        // [L * G] of those, from arrivals before this block's next batch
+  int* expert_rows;   // [L] padded, then unpadded, rows per expert
+  int* expert_start;  // [L + 1] packed start of each expert
+  int* group_base;    // [L * G] packed start of (local expert, group)
+  unsigned* hits;     // [L][kBitWords] the batch's tokens per expert
+  bool timed_out;     // a source's ready word never came (this block's wait)
+};
 
-  // 1. Every source's token count (ready word = count + 1; 0 = not yet).
-  for (int g = threadIdx.x; g < G; g += blockDim.x) group_tokens[g] = 0;
-  for (int i = threadIdx.x; i < L * G; i += blockDim.x) count[i] = before[i] = 0;
-  for (int i = threadIdx.x; i < L * kBitWords; i += blockDim.x) hits[i] = 0;
+inline size_t dispatch_recv_shared_bytes(const Sizes& s) {
+  const int L = s.local_experts, G = s.num_dp;
+  return sizeof(int) * (3 * G + 2 + 3 * L * G + 2 * L + 1 + L * kBitWords);
+}
+
+__device__ inline Receive carve_receive(const Sizes& s, int* smem) {
+  const int L = s.local_experts, G = s.num_dp;
+  Receive r;
+  r.group_tokens = smem;
+  r.first[0] = r.group_tokens + G;
+  r.first[1] = r.first[0] + G + 1;
+  r.count = r.first[1] + G + 1;
+  r.before = r.count + L * G;
+  r.expert_rows = r.before + L * G;
+  r.expert_start = r.expert_rows + L;
+  r.group_base = r.expert_start + L + 1;
+  r.hits = reinterpret_cast<unsigned*>(r.group_base + L * G);
+  r.timed_out = false;
+  return r;
+}
+
+// The arrivals a block copies in one pass: a pass takes some DP groups' tokens, numbered group by group (first),
+// and shares them among a range of blocks, each a contiguous share [begin, end) in block order.
+struct Share {
+  const int* first;
+  int begin, end;
+};
+__device__ inline Share share_of(const int* first, int groups, int first_block, int blocks) {
+  const int arrivals = first[groups], b = static_cast<int>(blockIdx.x) - first_block;
+  if (b < 0 || b >= blocks) return Share{first, arrivals, arrivals};
+  const int per_block = (arrivals + blocks - 1) / blocks;
+  const int begin = min(b * per_block, arrivals);
+  return Share{first, begin, min(begin + per_block, arrivals)};
+}
+
+// The DP group of pass arrival i.
+__device__ inline int group_of(const int* first, int i) {
+  int g = 0;
+  while (i >= first[g + 1]) ++g;
+  return g;
+}
+
+// 1. Every source's token count (ready word's low half = count + 1; 0 = not yet); pass 0 takes every group, or only
+//    group `alone` (>= 0), whose tokens pass 1 then leaves out.
+__device__ inline void read_token_counts(const Context& ctx, Receive& r, int alone) {
+  const Sizes& s = ctx.s;
+  const int L = s.local_experts, G = s.num_dp;
+  int32_t* status = phase_status(ctx, kDispatchRecv);
+  __shared__ bool timed_out;
+  if (threadIdx.x == 0) timed_out = false;
+  for (int g = threadIdx.x; g < G; g += blockDim.x) r.group_tokens[g] = 0;
+  for (int i = threadIdx.x; i < L * G; i += blockDim.x) r.count[i] = r.before[i] = 0;
+  for (int i = threadIdx.x; i < L * kBitWords; i += blockDim.x) r.hits[i] = 0;
   __syncthreads();
   for (int src = threadIdx.x; src < s.world; src += blockDim.x) {
     const bool ok = wait_at_least(ctx.dispatch_ready + src, 1, s, status, kDispatchRecv, src);
-    const int n = ok ? static_cast<int>(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src)) - 1 : 0;
-    atomicAdd(&group_tokens[src / s.dp_size], min(max(n, 0), s.slots_per_source));
+    const int n = ok ? token_count(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src)) : 0;
+    if (!ok) timed_out = true;
+    atomicAdd(&r.group_tokens[src / s.dp_size], min(max(n, 0), s.slots_per_source));
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    group_first[0] = 0;
-    for (int g = 0; g < G; ++g) group_first[g + 1] = group_first[g] + group_tokens[g];
+    r.first[0][0] = r.first[1][0] = 0;
+    for (int g = 0; g < G; ++g) {
+      const bool in_first = alone < 0 || g == alone;
+      r.first[0][g + 1] = r.first[0][g] + (in_first ? r.group_tokens[g] : 0);
+      r.first[1][g + 1] = r.first[1][g] + (in_first ? 0 : r.group_tokens[g]);
+    }
   }
   __syncthreads();
-  mark(ctx, kDispatchRecv, kWaited);
+  r.timed_out = timed_out;
+}
 
-  // Arrived tokens are numbered group by group; this block copies the rows of arrivals [share_begin, share_end).
-  const int arrivals = group_first[G];
-  const int share = (arrivals + gridDim.x - 1) / gridDim.x;
-  const int share_begin = min(blockIdx.x * share, arrivals), share_end = min(share_begin + share, arrivals);
-  auto group_of = [&](int i) {
-    int g = 0;
-    while (i >= group_first[g + 1]) ++g;
-    return g;
-  };
-  auto ids_of_arrival = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, i - group_first[g])); };
-
-  // 2. Rows per (local expert, group), and how many of them come from arrivals before this block's share: a
-  //    histogram over the arrived tokens' ids (counts, hence deterministic), a thread per arrival. Rows of up to
-  //    kUnrolledSlots ids: several in flight per thread, then counted from registers (a load per slot between the
-  //    shared atomics made this pass ~50 us of the T=4096 dispatch). One shared atomic per row: rows before the
-  //    share go to `before`, the others to `count`, which takes `before` in after the pass.
-  //    Every block histograms every arrival, unless the grid may wait for itself (the fused dispatch: a cooperative
-  //    launch) and the shares are large: then each block histograms its own share, publishes it (block_counts), and
-  //    after a grid barrier sums the published counts, those of the blocks before it into `before` (every block
-  //    redoing the whole histogram took ~30 us at R1 T=4096).
-  auto tally = [&](int e, int g, bool early) {
+// 2. Rows per (local expert, group) over a share's arrivals (or [from, to) of its pass): a histogram over the arrived
+//    tokens' ids (counts, hence deterministic), a thread per arrival; rows of arrivals before the share go to
+//    `before`, the others to `count`. Rows of up to kUnrolledSlots ids: several in flight per thread, then counted
+//    from registers (a load per slot between the shared atomics made this pass ~50 us of the T=4096 dispatch). One
+//    shared atomic per row (an atomic on both for the rows before the share made ~1.5 atomics per row).
+__device__ inline void histogram(const Context& ctx, Receive& r, const Share& sh, int from, int to) {
+  const Sizes& s = ctx.s;
+  const int L = s.local_experts, G = s.num_dp, K = s.experts_per_token, first_local = s.rank * L;
+  const auto tally = [&](int e, int g, bool early) {
     const int l = e - first_local;
     if (l < 0 || l >= L) return;  // an expert of another rank
-    atomicAdd(early ? &before[l * G + g] : &count[l * G + g], 1);
+    atomicAdd(early ? &r.before[l * G + g] : &r.count[l * G + g], 1);
   };
-  const auto histogram = [&](int first, int last) {  // arrivals [first, last)
-    if (K <= kUnrolledSlots) {
-      constexpr int kRowsInFlight = 4;
-      for (int base = first + threadIdx.x; base < last; base += kRowsInFlight * blockDim.x) {
-        IdsRow rows[kRowsInFlight];
-        int group[kRowsInFlight];
+  const auto ids_at = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, i - sh.first[g])); };
+  if (K <= kUnrolledSlots) {
+    constexpr int kRowsInFlight = 4;
+    for (int base = from + threadIdx.x; base < to; base += kRowsInFlight * blockDim.x) {
+      IdsRow rows[kRowsInFlight];
+      int group[kRowsInFlight];
 #pragma unroll
-        for (int r = 0; r < kRowsInFlight; ++r) {
-          const int i = base + r * blockDim.x;
-          group[r] = i < last ? group_of(i) : 0;
-          rows[r] = i < last ? load_ids_row(ids_of_arrival(i, group[r]), K) : load_ids_row(nullptr, 0);  // all -1
-        }
-#pragma unroll
-        for (int r = 0; r < kRowsInFlight; ++r) {
-          const unsigned live = live_mask(rows[r], s.num_experts);
-#pragma unroll
-          for (int k = 0; k < kUnrolledSlots; ++k)
-            if (live >> k & 1u) tally(rows[r].id[k], group[r], base + r * blockDim.x < share_begin);
-        }
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const int i = base + u * blockDim.x;
+        group[u] = i < to ? group_of(sh.first, i) : 0;
+        rows[u] = i < to ? load_ids_row(ids_at(i, group[u]), K) : load_ids_row(nullptr, 0);  // all -1
       }
-    } else {
-      for (int i = first + threadIdx.x; i < last; i += blockDim.x) {
-        const int g = group_of(i);
-        const int32_t* ids = ids_of_arrival(i, g);
-        for (int k = 0; k < K; ++k)
-          if (slot_is_live(ids, k, s.num_experts)) tally(ids[k], g, i < share_begin);
-      }
-    }
-  };
-  if (grid_may_wait && ctx.block_counts != nullptr && arrivals >= kSplitHistogramShare * static_cast<int>(gridDim.x)) {
-    histogram(share_begin, share_end);  // `count` only: nothing here is before the share
-    __syncthreads();
-    const int blocks = gridDim.x, stride = (blocks + 3) / 4 * 4;  // block_counts[(l, g)][block]
-    for (int i = threadIdx.x; i < L * G; i += blockDim.x)
-      ctx.block_counts[static_cast<size_t>(i) * stride + blockIdx.x] = count[i];
-    __threadfence();
-    cooperative_groups::this_grid().sync();
-    for (int i = threadIdx.x; i < L * G; i += blockDim.x) {
-      const int4* row = reinterpret_cast<const int4*>(ctx.block_counts + static_cast<size_t>(i) * stride);
-      int early = 0, all = 0;
-#pragma unroll 8
-      for (int v = 0; v < stride / 4; ++v) {
-        const int4 c = __ldcg(row + v);  // L2: other SMs wrote them
-        const int n[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int b = 4 * v + j;
-          all += b < blocks ? n[j] : 0;
-          early += b < static_cast<int>(blockIdx.x) ? n[j] : 0;
-        }
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const unsigned live = live_mask(rows[u], s.num_experts);
+#pragma unroll
+        for (int k = 0; k < kUnrolledSlots; ++k)
+          if (live >> k & 1u) tally(rows[u].id[k], group[u], base + u * blockDim.x < sh.begin);
       }
-      before[i] = early;
-      count[i] = all;
     }
   } else {
-    histogram(0, arrivals);
-    __syncthreads();
-    for (int i = threadIdx.x; i < L * G; i += blockDim.x) count[i] += before[i];
+    for (int i = from + threadIdx.x; i < to; i += blockDim.x) {
+      const int g = group_of(sh.first, i);
+      const int32_t* ids = ids_at(i, g);
+      for (int k = 0; k < K; ++k)
+        if (slot_is_live(ids, k, s.num_experts)) tally(ids[k], g, i < sh.begin);
+    }
+  }
+}
+
+// Every block histograms every arrival of its pass (no block waits for another).
+__device__ inline void histogram_all(const Context& ctx, Receive& r, const Share& sh) {
+  histogram(ctx, r, sh, 0, sh.first[ctx.s.num_dp]);
+  __syncthreads();
+  for (int i = threadIdx.x; i < ctx.s.local_experts * ctx.s.num_dp; i += blockDim.x) r.count[i] += r.before[i];
+  __syncthreads();
+}
+
+// Each block histograms its own shares, publishes the counts (block_counts) and, after a grid barrier (every block
+// resident: a cooperative launch), sums the published counts, those of the blocks before it into `before` (every
+// block redoing the whole histogram took ~29 us at R1 T=4096; split, ~14). A group's arrivals are in one pass, and
+// a pass's shares follow block order, so the blocks before this one hold exactly the group's rows before its share.
+__device__ inline void histogram_split(const Context& ctx, Receive& r, const Share* shares, int passes) {
+  for (int p = 0; p < passes; ++p) histogram(ctx, r, shares[p], shares[p].begin, shares[p].end);  // `count` only
+  __syncthreads();
+  const int LG = ctx.s.local_experts * ctx.s.num_dp;
+  const int blocks = gridDim.x, stride = (blocks + 3) / 4 * 4;  // block_counts[(l, g)][block]
+  for (int i = threadIdx.x; i < LG; i += blockDim.x)
+    ctx.block_counts[static_cast<size_t>(i) * stride + blockIdx.x] = r.count[i];
+  __threadfence();
+  cooperative_groups::this_grid().sync();
+  for (int i = threadIdx.x; i < LG; i += blockDim.x) {
+    const int4* row = reinterpret_cast<const int4*>(ctx.block_counts + static_cast<size_t>(i) * stride);
+    int early = 0, all = 0;
+#pragma unroll 8
+    for (int v = 0; v < stride / 4; ++v) {
+      const int4 c = __ldcg(row + v);  // L2: other SMs wrote them
+      const int n[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int b = 4 * v + j;
+        all += b < blocks ? n[j] : 0;
+        early += b < static_cast<int>(blockIdx.x) ? n[j] : 0;
+      }
+    }
+    r.before[i] = early;
+    r.count[i] = all;
   }
   __syncthreads();
-  mark(ctx, kDispatchRecv, kStep1);  // histogram done
+}
+
+// 3. The layout from the counts: experts' padded starts (a block scan), each (expert, group)'s base; block 0 writes
+//    group_sizes and reports an overflow.
+__device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs& a, Receive& r) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_temp;
+  const Sizes& s = ctx.s;
+  const int L = s.local_experts, G = s.num_dp;
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int rows = 0;
-    for (int g = 0; g < G; ++g) rows += count[l * G + g];
-    expert_rows[l] = (rows + s.align - 1) / s.align * s.align;
+    for (int g = 0; g < G; ++g) rows += r.count[l * G + g];
+    r.expert_rows[l] = (rows + s.align - 1) / s.align * s.align;
   }
   __syncthreads();
-  block_exclusive_sum<Scan>(scan_temp, expert_rows, expert_start, L);
+  block_exclusive_sum<Scan>(scan_temp, r.expert_rows, r.expert_start, L);
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
-    int base = expert_start[l];
+    int base = r.expert_start[l];
     for (int g = 0; g < G; ++g) {
-      group_base[l * G + g] = base;
-      base += count[l * G + g];
+      r.group_base[l * G + g] = base;
+      base += r.count[l * G + g];
     }
-    expert_rows[l] = base - expert_start[l];
+    r.expert_rows[l] = base - r.expert_start[l];
   }
   __syncthreads();
-  const int packed_rows = expert_start[L];
-  mark(ctx, kDispatchRecv, kStep2);  // layout derived (scans done)
   if (blockIdx.x == 0) {
-    for (int l = threadIdx.x; l < L; l += blockDim.x) a.group_sizes[l] = expert_start[l + 1] - expert_start[l];
-    if (threadIdx.x == 0 && packed_rows > s.capacity)
-      report(status, kCapacityOverflow, kDispatchRecv, packed_rows, s.capacity);
+    for (int l = threadIdx.x; l < L; l += blockDim.x) a.group_sizes[l] = r.expert_start[l + 1] - r.expert_start[l];
+    if (threadIdx.x == 0 && r.expert_start[L] > s.capacity)
+      report(phase_status(ctx, kDispatchRecv), kCapacityOverflow, kDispatchRecv, r.expert_start[L], s.capacity);
   }
+}
 
-  // 3. This block's share, a batch of blockDim arrivals at a time. A token's row for local expert l lands at
-  //    group_base[l, g] + the rows for l of the group's earlier tokens: those before the batch (`before`) and
-  //    those of the batch (bit masks). A warp per (token, slot) copies the row. The thread that reads a token's ids
-  //    for the bits also notes its slots here (local_slots) and their experts (slot_expert, slots below
-  //    kUnrolledSlots), so a copy starts with its row's loads: reading the ids again put an L2 round trip before
-  //    every copy, and one more before every slot with no copy here.
+// Where token t of DP group g's row (payload, scales) is read from: the slot it arrived in.
+struct FromSlots {
+  const Context& ctx;
+  __device__ const char* payload(int g, int t) const {
+    const Arrival src = arrival_of(ctx.s, g, t);
+    return ctx.dispatch_slots + (static_cast<size_t>(src.src) * ctx.s.slots_per_source + src.slot) * ctx.s.token_stride;
+  }
+  __device__ const void* scales(int g, int t) const { return payload(g, t) + scales_offset(ctx.s); }
+};
+
+// 4. A share's rows, a batch of blockDim arrivals at a time. A token's row for local expert l lands at
+//    group_base[l, g] + the rows for l of the group's earlier tokens: those before the batch (`before`) and those
+//    of the batch (bit masks). A warp per (token, slot) copies the row from `from` (FromSlots, or this rank's own
+//    x). The thread that reads a token's ids for the bits also notes its slots here (local_slots) and their experts
+//    (slot_expert, slots below kUnrolledSlots), so a copy starts with its row's loads: reading the ids again put an
+//    L2 round trip before every copy, and one more before every slot with no copy here.
+template <typename From>
+__device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a, Receive& r, const Share& sh,
+                                  const From& from) {
+  const Sizes& s = ctx.s;
+  const int L = s.local_experts, G = s.num_dp, K = s.experts_per_token, first_local = s.rank * L;
+  const int* first = sh.first;
+  const auto ids_at = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, i - first[g])); };
   __shared__ unsigned local_slots[kThreads];
   __shared__ int16_t slot_expert[kThreads][kUnrolledSlots];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  for (int batch = share_begin; batch < share_end; batch += blockDim.x) {
+  for (int batch = sh.begin; batch < sh.end; batch += blockDim.x) {
     const int mine = batch + threadIdx.x;  // this thread's arrival: its bits
     unsigned here = 0;
-    if (mine < share_end) {
-      const int32_t* ids = ids_of_arrival(mine, group_of(mine));
+    if (mine < sh.end) {
+      const int32_t* ids = ids_at(mine, group_of(first, mine));
       for (unsigned m = live_slots(ids, K, s.num_experts); m; m &= m - 1) {
         const int k = __ffs(m) - 1, l = ids[k] - first_local;
         if (l < 0 || l >= L) continue;  // an expert of another rank
-        atomicOr(&hits[l * kBitWords + warp], 1u << lane);
+        atomicOr(&r.hits[l * kBitWords + warp], 1u << lane);
         here |= 1u << k;
         if (k < kUnrolledSlots) slot_expert[threadIdx.x][k] = static_cast<int16_t>(l);
       }
     }
     local_slots[threadIdx.x] = here;
     __syncthreads();
-    const int batch_tokens = min(static_cast<int>(blockDim.x), share_end - batch);
+    const int batch_tokens = min(static_cast<int>(blockDim.x), sh.end - batch);
     for (int h = warp; h < batch_tokens * K; h += warps) {  // a warp per (token, slot) of the batch
       const int j = h / K, k = h % K, i = batch + j;
       if (!(local_slots[j] >> k & 1u)) continue;  // not live, or an expert of another rank
-      const int g = group_of(i), t = i - group_first[g];
-      const int l = k < kUnrolledSlots ? slot_expert[j][k] : ids_of_arrival(i, g)[k] - first_local;
-      const int from = max(group_first[g] - batch, 0);  // the batch's first arrival of group g
-      const int p = group_base[l * G + g] + before[l * G + g] + count_bits(hits + l * kBitWords, from, j);
-      if (p >= s.capacity) continue;  // overflow: reported above, never written
-      const Arrival src = arrival_of(s, g, t);
-      const char* row = ctx.dispatch_slots + (static_cast<size_t>(src.src) * s.slots_per_source + src.slot) *
-                                                 s.token_stride;
-      warp_copy_pair(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, row, s.payload_bytes,
-                     a.expert_scales + static_cast<size_t>(p) * s.scale_cols, row + scales_offset(s),
+      const int g = group_of(first, i), t = i - first[g];
+      const int l = k < kUnrolledSlots ? slot_expert[j][k] : ids_at(i, g)[k] - first_local;
+      const int at = max(first[g] - batch, 0);  // the batch's first arrival of group g
+      const int p = r.group_base[l * G + g] + r.before[l * G + g] + count_bits(r.hits + l * kBitWords, at, j);
+      if (p >= s.capacity) continue;  // overflow: reported by derive_layout, never written
+      warp_copy_pair(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, from.payload(g, t),
+                     s.payload_bytes, a.expert_scales + static_cast<size_t>(p) * s.scale_cols, from.scales(g, t),
                      4 * s.scale_cols, lane);
       if (lane == 0) a.row_origin[p] = (g * s.max_tokens + t) * K + k;
     }
     __syncthreads();  // every warp has read `before` and the bits: the next batch counts on
     for (int i = threadIdx.x; i < L * G; i += blockDim.x) {
       const int l = i / G, g = i % G;
-      const int from = max(group_first[g] - batch, 0);
-      const int to = min(min(group_first[g + 1], share_end) - batch, static_cast<int>(blockDim.x));
-      if (from < to) before[i] += count_bits(hits + l * kBitWords, from, to);
+      const int at = max(first[g] - batch, 0);
+      const int to = min(min(first[g + 1], sh.end) - batch, static_cast<int>(blockDim.x));
+      if (at < to) r.before[i] += count_bits(r.hits + l * kBitWords, at, to);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < L * kBitWords; i += blockDim.x) hits[i] = 0;
+    for (int i = threadIdx.x; i < L * kBitWords; i += blockDim.x) r.hits[i] = 0;
     __syncthreads();
   }
+}
 
-  mark(ctx, kDispatchRecv, kWorked);
-
-  // 4. Rows holding no token: origin -1 (a thread per row); alignment padding inside the packed region is zeroed.
+// 5. Rows holding no token: origin -1 (a thread per row); alignment padding inside the packed region is zeroed.
+//    Then the phase's end.
+__device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs& a, const Receive& r) {
+  const Sizes& s = ctx.s;
+  const int L = s.local_experts, packed_rows = r.expert_start[L];
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < s.capacity; p += gridDim.x * blockDim.x) {
-    const int l = p < packed_rows ? find_run(expert_start, L, p) : L;
-    if (l == L || p - expert_start[l] >= expert_rows[l]) a.row_origin[p] = -1;
+    const int l = p < packed_rows ? find_run(r.expert_start, L, p) : L;
+    if (l == L || p - r.expert_start[l] >= r.expert_rows[l]) a.row_origin[p] = -1;
   }
   if (s.align > 1) {
-    const int gwarp = blockIdx.x * warps + warp, nwarps = gridDim.x * warps;
+    const int gwarp = blockIdx.x * warps + threadIdx.x / 32, nwarps = gridDim.x * warps;
     for (int p = gwarp; p < packed_rows; p += nwarps) {
-      const int l = find_run(expert_start, L, p);
-      if (p - expert_start[l] < expert_rows[l]) continue;
+      const int l = find_run(r.expert_start, L, p);
+      if (p - r.expert_start[l] < r.expert_rows[l]) continue;
       warp_zero(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, s.payload_bytes, lane);
       if (s.scale_cols) warp_zero(a.expert_scales + static_cast<size_t>(p) * s.scale_cols, 4 * s.scale_cols, lane);
     }
   }
   mark(ctx, kDispatchRecv, kClosed);
   if (finish_phase(ctx, kDispatchRecv, a.status)) mark(ctx, kDispatchRecv, kEnd, true);
+}
+
+// The phase after its protocol-order check (dispatch_recv.cu), or right after the send in the fused dispatch
+// (dispatch.cu): every source's rows have landed once its ready word is set. Every block derives the whole layout
+// (a histogram of every arrival; or, when the grid may wait for itself (`grid_may_wait`: the fused dispatch, a
+// cooperative launch) and the shares are large, histogram_split), then copies its own share of the arrivals.
+__device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs& a, bool grid_may_wait) {
+  extern __shared__ int smem[];
+  Receive r = carve_receive(ctx.s, smem);
+  read_token_counts(ctx, r, -1);
+  mark(ctx, kDispatchRecv, kWaited);
+  const Share sh = share_of(r.first[0], ctx.s.num_dp, 0, gridDim.x);
+  if (grid_may_wait && ctx.block_counts != nullptr && sh.first[ctx.s.num_dp] >= kSplitHistogramShare * gridDim.x)
+    histogram_split(ctx, r, &sh, 1);
+  else
+    histogram_all(ctx, r, sh);
+  mark(ctx, kDispatchRecv, kStep1);  // histogram done
+  derive_layout(ctx, a, r);
+  mark(ctx, kDispatchRecv, kStep2);  // layout derived (scans done)
+  copy_share(ctx, a, r, sh, FromSlots{ctx});
+  mark(ctx, kDispatchRecv, kWorked);
+  finish_receive(ctx, a, r);
 }
 
 // A refused receive (out of protocol order) still leaves a valid, empty layout: no row holds a token (row_origin
@@ -299,10 +392,6 @@ __device__ inline void receive_nothing(const Context& ctx, const DispatchRecvArg
     for (int l = threadIdx.x; l < ctx.s.local_experts; l += blockDim.x) a.group_sizes[l] = 0;
 }
 
-inline size_t dispatch_recv_shared_bytes(const Sizes& s) {
-  const int L = s.local_experts, G = s.num_dp;
-  return sizeof(int) * (2 * G + 1 + 3 * L * G + 2 * L + 1 + L * kBitWords);
-}
 
 
 // A block per arrived token (a warp per slot), up to two per SM (every block also redoes the histogram over all

@@ -151,6 +151,41 @@ __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendA
 }
 
 
+// The ids-first order of the fused dispatch (dispatch.cu; one replica per DP group, so this rank's token i is token
+// i): every token's ids row to every rank first, a thread per id.
+__device__ inline void store_ids_rows(const Context& ctx, const DispatchSendArgs& a, int my_tokens) {
+  const Sizes& s = ctx.s;
+  int32_t* ids_rows = ctx.dispatch_ids + static_cast<size_t>(s.rank) * s.slots_per_source * s.experts_per_token;
+  const int ids = my_tokens * s.experts_per_token;
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < ids; j += gridDim.x * blockDim.x) {
+    const int32_t id = a.topk_ids[j];
+    for (int d = 0; d < s.world; ++d) peer_ptr(ctx, ids_rows, d)[j] = id;
+  }
+}
+
+// Then (blocks [0, blocks)) each token's row to every other rank that hosts one of its live experts, a warp per
+// token; this rank's own rows are read from x by its receive.
+__device__ inline void store_remote_rows(const Context& ctx, const DispatchSendArgs& a, int my_tokens, int blocks) {
+  const Sizes& s = ctx.s;
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int i = blockIdx.x * warps + threadIdx.x / 32; i < my_tokens; i += blocks * warps) {
+    const int dest = lane_dest(s, a.topk_ids + static_cast<size_t>(i) * s.experts_per_token, lane);
+    store_token_row(ctx, static_cast<size_t>(s.rank) * s.slots_per_source + i, a, i, lane, dest == s.rank ? -1 : dest);
+  }
+}
+
+// And once every block is past its rows (the senders' stores fenced), the last block SETs kRowsLanded in our ready
+// word on every other rank.
+__device__ inline void signal_rows_landed(const Context& ctx, const DispatchSendArgs& a, int my_tokens) {
+  if (finish_phase(ctx, kDispatchSend, a.status, false)) {
+    __threadfence_system();
+    if (threadIdx.x < ctx.s.world && threadIdx.x != ctx.s.rank)
+      signal_peer(ctx, ctx.dispatch_ready + ctx.s.rank, kRowsLanded | (my_tokens + 1), NVSHMEM_SIGNAL_SET,
+                  threadIdx.x);
+    mark(ctx, kDispatchSend, kEnd, true);
+  }
+}
+
 // A warp per token this replica sends.
 inline int dispatch_send_blocks(const Sizes& s) {
   return blocks_for(s.slots_per_source, kThreads / 32, 8 * s.sm_count);

@@ -149,6 +149,9 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   const size_t count_bytes = static_cast<size_t>(sizes.local_experts) * sizes.num_dp * kMaxBlocksPerSm *
                              sizes.sm_count * sizeof(int32_t);
   if (ctx->p2p && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) ctx->block_counts = nullptr;
+  const char* ids_first_min = std::getenv("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS");
+  ctx->ids_first = ctx->p2p && ctx->block_counts != nullptr && sizes.dp_size == 1 &&
+                   sizes.max_tokens >= (ids_first_min ? std::atoi(ids_first_min) : kIdsFirstMinTokens);
   if (std::getenv("JAX_MOE_COMM_KERNEL_MARKS") != nullptr &&
       (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
        cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess)) {

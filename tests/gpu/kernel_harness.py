@@ -46,6 +46,7 @@ from jax_moe_comm.nvshmem_backend import (  # noqa: E402
 )
 
 C = jmc.MoECommConfig
+IDS_FIRST = {"JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS": "1"}
 CASES = {
     "fp32 K2": (C(8, 2, 128, 16, dtype=jnp.float32, out_dtype=jnp.float32), "uniform"),
     "bf16 K8 E32": (C(32, 8, 256, 32, dtype=jnp.bfloat16), "uniform"),
@@ -58,6 +59,11 @@ CASES = {
     # in the fused kernel at most co-residency), so each block places its share over several batches of 256.
     "many tokens: several batches per block": (C(16, 2, 128, 40000, dtype=jnp.float32, out_dtype=jnp.float32),
                                                "uniform"),
+    # The fused dispatch's ids-first order (ffi/dispatch.cu; by itself from 1024 tokens per rank, as in the case
+    # above), forced at a few tokens (JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS, read when a context is made).
+    "ids first: fp8+scales K8": (C(32, 8, 512, 16, dtype=jnp.float8_e4m3fn, scale_block=128), "uniform", IDS_FIRST),
+    "ids first: skewed": (C(8, 3, 64, 32, dtype=jnp.bfloat16), "skewed", IDS_FIRST),
+    "ids first: -1 slots": (C(8, 4, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32), "dropped", IDS_FIRST),
 }
 TOO_SLOW_UNDER_SANITIZER = {"many tokens: several batches per block"}
 
@@ -355,7 +361,7 @@ def main() -> int:
         _native.ext.finalize()
         return 0
     passed = failed = 0
-    for i, (name, (cfg, kind)) in enumerate(CASES.items()):
+    for i, (name, (cfg, kind, *env)) in enumerate(CASES.items()):
         if args.only and not any(p in name for p in args.only.split("|")):
             continue
         if name in TOO_SLOW_UNDER_SANITIZER and os.environ.get("JMC_UNDER_SANITIZER"):
@@ -363,10 +369,14 @@ def main() -> int:
             continue
         t0 = time.time()
         faulthandler.dump_traceback_later(args.case_limit, exit=True)  # a rank left waiting: stacks, then exit
+        os.environ.update(env[0] if env else {})
         try:
             info, ok = run_case(rank, world, seed + i, cfg, kind), True
         except Exception as exc:  # report and go on (both ranks run every case: create_context is collective)
             info, ok = f"{type(exc).__name__}: {str(exc)[:300]}", False
+        finally:
+            for var in env[0] if env else {}:
+                del os.environ[var]
         faulthandler.cancel_dump_traceback_later()
         passed, failed = passed + ok, failed + (not ok)
         print(f"{'PASS' if ok else 'FAIL'} {name} ({time.time() - t0:.1f}s, seed {seed + i}): {info}", flush=True)

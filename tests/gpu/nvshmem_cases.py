@@ -150,6 +150,17 @@ def staged_puts(case):
         del os.environ["JAX_MOE_COMM_STAGED"]
 
 
+def ids_first(case):
+    """Runs `case` with MoEComms created under JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS=1: the fused dispatch sends every
+    ids row first and copies this rank's own rows from x while the other rows are on the link (ffi/dispatch.cu), the
+    order it takes by itself from 1024 tokens per rank."""
+    os.environ["JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS"] = "1"
+    try:
+        return case() + " (ids first)"
+    finally:
+        del os.environ["JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS"]
+
+
 def case_scan_layers(mesh, seed):
     """4 layers under lax.scan in one jit: each layer's output feeds the next dispatch."""
     world = mesh.shape["ep"]
@@ -504,6 +515,21 @@ def main() -> int:
             mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32, dp_size=2), num_tokens="partial"))),
         ("staged puts: skewed", lambda s: staged_puts(lambda: run_case(
             mesh, s, "", C(8, 3, 64, 32, dtype=bf16), kind="skewed"))),
+        # The fused dispatch's ids-first order (from 1024 tokens per rank; below that, forced).
+        ("ids first: 1024 tokens fp8+scales K8", lambda s: run_case(
+            mesh, s, "", C(32, 8, 512, 1024, dtype=fp8, scale_block=128))),
+        ("ids first: fp8+scales K8", lambda s: ids_first(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128)))),
+        ("ids first: skewed", lambda s: ids_first(lambda: run_case(
+            mesh, s, "", C(8, 3, 64, 32, dtype=bf16), kind="skewed"))),
+        ("ids first: a rank receives nothing", lambda s: ids_first(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 16, dtype=bf16), kind="rank0_only"))),
+        ("ids first: -1 slots, num_tokens partial", lambda s: ids_first(lambda: run_case(
+            mesh, s, "", C(8, 4, 64, 16, dtype=f32, out_dtype=f32), kind="dropped", num_tokens="partial"))),
+        ("ids first: num_tokens 0", lambda s: ids_first(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32), num_tokens="zero"))),
+        ("ids first: align 8, bf16 H 100", lambda s: ids_first(lambda: run_case(
+            mesh, s, "", C(8, 2, 100, 16, dtype=bf16, align=8)))),
         ("scan over 4 layers", lambda s: case_scan_layers(mesh, s)),
         ("200 repeated calls", lambda s: case_repeat(mesh, s)),
         ("grad: custom VJP vs plain AD", lambda s: case_grad(mesh, s)),
