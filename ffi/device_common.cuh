@@ -170,8 +170,9 @@ __device__ inline void warp_copy_pair(void* dst, const void* src, int bytes, voi
   if (lane < vecs2) static_cast<int4*>(dst2)[lane] = word2;
 }
 
+// Zeroes a row, in 16-byte words when dst is 16-byte aligned (padding rows of an unaligned row size are not).
 __device__ inline void warp_zero(void* dst, int bytes, int lane) {
-  const int vecs = bytes / 16;
+  const int vecs = (reinterpret_cast<uintptr_t>(dst) & 15) == 0 ? bytes / 16 : 0;
   auto* d4 = reinterpret_cast<int4*>(dst);
   for (int i = lane; i < vecs; i += 32) d4[i] = make_int4(0, 0, 0, 0);
   auto* d = reinterpret_cast<char*>(dst);

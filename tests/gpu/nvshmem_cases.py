@@ -496,6 +496,8 @@ def main() -> int:
         ("K1", lambda s: run_case(mesh, s, "", C(8, 1, 64, 16, dtype=f32, out_dtype=f32))),
         ("L1 (E == world)", lambda s: run_case(mesh, s, "", C(world, 1, 64, 16, dtype=f32, out_dtype=f32))),
         ("align 8", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=bf16, align=8))),
+        ("align 8, bf16 H 100: padding rows not 16-byte aligned", lambda s: run_case(
+            mesh, s, "", C(8, 2, 100, 16, dtype=bf16, align=8))),
         # Rows the one-pass copies do not take: longer than a pass of 16-byte loads (14 KB), and not 16-byte aligned
         # (the element-wise paths of every phase).
         ("bf16 H 7168: rows past one pass of loads", lambda s: run_case(mesh, s, "", C(16, 4, 7168, 16, dtype=bf16))),
@@ -539,6 +541,7 @@ def main() -> int:
         ("grad: two MoEComms in one step", lambda s: case_grad_composition(mesh, s, "two instances")),
         ("grad: fp8 dispatch, bf16 gradients", lambda s: case_grad_fp8(mesh, s)),
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
+        ("ids first: interleaved round trips", lambda s: ids_first(lambda: case_out_of_order(mesh, s))),
         ("bad expert id", lambda s: case_bad_ids(mesh, s)),
         ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: leaves the protocol broken
     ]
