@@ -19,7 +19,7 @@ __global__ void dispatch_kernel(Context ctx, DispatchSendArgs send, DispatchRecv
     return;
   }
   mark(ctx, kDispatchRecv, kStart);  // no second order check: the receive's end moves the protocol past both
-  receive_tokens(ctx, recv, true);
+  receive_tokens(ctx, recv);
 }
 
 // This rank's own rows, read by its receive straight from x (one replica per DP group: its token t is token t).

@@ -7,7 +7,7 @@ namespace {
 // Two blocks per SM (at most 128 registers), as dispatch_recv_blocks plans.
 __global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(Context ctx, DispatchRecvArgs a) {
   if (begin_phase(ctx, kDispatchRecv, a.status))
-    receive_tokens(ctx, a, false);
+    receive_tokens(ctx, a);
   else
     receive_nothing(ctx, a);
 }

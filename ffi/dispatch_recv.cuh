@@ -50,10 +50,6 @@ __device__ inline const int32_t* ids_of(const Context& ctx, Arrival a) {
   return ctx.dispatch_ids + (static_cast<size_t>(a.src) * ctx.s.slots_per_source + a.slot) * ctx.s.experts_per_token;
 }
 
-// Arrivals per block from which the fused dispatch's blocks histogram their own shares only (one grid barrier)
-// instead of every arrival each.
-constexpr int kSplitHistogramShare = 16;
-
 // Arrived tokens a block takes at a time: one per thread; their local experts as bit masks in shared memory.
 constexpr int kBitWords = kThreads / 32;
 
@@ -362,18 +358,16 @@ __device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs
 
 // The phase after its protocol-order check (dispatch_recv.cu), or right after the send in the fused dispatch
 // (dispatch.cu): every source's rows have landed once its ready word is set. Every block derives the whole layout
-// (a histogram of every arrival; or, when the grid may wait for itself (`grid_may_wait`: the fused dispatch, a
-// cooperative launch) and the shares are large, histogram_split), then copies its own share of the arrivals.
-__device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs& a, bool grid_may_wait) {
+// (a histogram of every arrival), then copies its own share of the arrivals. (histogram_split is for the ids-first
+// order alone: in this kernel its code, never run below 16 arrivals per block, made R1 T=128's histogram ~2 -> ~4 us
+// and its copies ~1 us slower on 2xH200, benchmarks/NOTES.md entry 24.)
+__device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs& a) {
   extern __shared__ int smem[];
   Receive r = carve_receive(ctx.s, smem);
   read_token_counts(ctx, r, -1);
   mark(ctx, kDispatchRecv, kWaited);
   const Share sh = share_of(r.first[0], ctx.s.num_dp, 0, gridDim.x);
-  if (grid_may_wait && ctx.block_counts != nullptr && sh.first[ctx.s.num_dp] >= kSplitHistogramShare * gridDim.x)
-    histogram_split(ctx, r, &sh, 1);
-  else
-    histogram_all(ctx, r, sh);
+  histogram_all(ctx, r, sh);
   mark(ctx, kDispatchRecv, kStep1);  // histogram done
   derive_layout(ctx, a, r);
   mark(ctx, kDispatchRecv, kStep2);  // layout derived (scans done)
