@@ -1,10 +1,12 @@
 // dispatch_recv: wait for every source's ready word, then fan the arrived tokens out to this rank's experts:
 // expert_x is packed by (local expert, source DP group, token), each expert padded to `align`; write group_sizes
-// and row_origin. Every block derives the whole layout from the ids rows (a histogram, or in the fused dispatch with
-// many arrivals the blocks' histograms of their shares summed after a grid barrier, and a block scan), then copies
-// the rows of its own contiguous share of the arrived tokens: where each lands follows from the tokens before it,
-// counted in the same histogram pass (before the share) and in shared bit masks (inside it). The ready words are
-// reset by combine_send, which the stream runs after every block here has read them.
+// and row_origin. Every block derives the whole layout from the ids rows (a histogram and a block scan; in the
+// ids-first dispatch each block's histogram of its own shares, summed after a grid barrier), then copies the rows of
+// its own contiguous share of the arrived tokens: where each lands follows from the tokens before it, counted in the
+// same histogram pass (before the share) and in shared bit masks (inside it). The stages are functions (counts,
+// histogram, layout, a share's copies, finish) that receive_tokens here and the ids-first kernel (dispatch.cu) run
+// in their orders. The ready words are reset by combine_send, which the stream runs after every block here has read
+// them.
 #pragma once
 
 #include <cooperative_groups.h>
