@@ -22,8 +22,10 @@ top-k per token) on the host and uploads it before the clock starts. Programs ar
 timing. ``dispatch_us`` / ``combine_us`` time a chain of dispatches (next x depends on the received rows) and a
 chain of combines (next expert_y depends on y) the same way; null for nvshmem, whose protocol only allows
 alternating halves. Each step includes the cheap elementwise dependency update (T x H elements). The expert
-stand-in runs once per chain, in the first round trip (the one checked); later round trips combine its output again,
-ordered after their own dispatch by an optimization barrier, so ``total_us`` is the round trip without expert work.
+stand-in runs once per chain, in the first round trip (the one checked); later round trips combine its output with
+one row replaced from their own dispatch's rows (data ties only: XLA may drop an optimization barrier and then merge
+identical collectives; the bench refuses a chain that lost steps), so ``total_us`` is the round trip without expert
+work.
 
 Bandwidth: ``gbps = bytes / total_us``, with ``bytes`` the traffic of one round trip per rank, averaged over ranks
 and repeats and counted from the routing (not from padding):
