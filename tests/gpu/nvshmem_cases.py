@@ -448,10 +448,18 @@ def case_bad_ids(mesh, seed):
 
 
 def case_timeout(mesh, seed):
-    """Rank 1 skips a call: rank 0's round trip fails after the timeout naming the phase and the peer."""
+    """Rank 1 skips a call: rank 0's round trip fails after the timeout naming the phase and the peer. Both ranks
+    then close the MoEComm (collective: rank 1 waits there for rank 0)."""
     os.environ["JAX_MOE_COMM_TIMEOUT_S"] = "3"  # read when the MoEComm is created
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
     comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
+    try:
+        return _timeout_on_rank0(comm)
+    finally:
+        comm.close()
+
+
+def _timeout_on_rank0(comm) -> str:
     if jax.process_index() == 1:
         return "rank 1 skipped the call"
     # Rank 0 alone: a one-device program running the per-shard round trip of the same two-rank context.
@@ -543,7 +551,8 @@ def main() -> int:
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
         ("ids first: interleaved round trips", lambda s: ids_first(lambda: case_out_of_order(mesh, s))),
         ("bad expert id", lambda s: case_bad_ids(mesh, s)),
-        ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: leaves the protocol broken
+        ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: the timeouts last (3 s from here on)
+        ("ids first: timeout (rank 1 skips)", lambda s: ids_first(lambda: case_timeout(mesh, s))),
     ]
     passed = failed = 0
     for i, (name, fn) in enumerate(cases):
