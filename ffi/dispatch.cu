@@ -1,9 +1,10 @@
 // The fused dispatch (NVLink path, Context::p2p): dispatch_send and dispatch_recv in one kernel, for the fused
-// `dispatch` call (no work to overlap between the halves). Each block sends its tokens, then receives. The ready
-// words a block waits for are SET by the last block of each source's send, this rank's included, so every block
-// must be resident: a cooperative launch, its grid capped at co-residency. One launch, one start and one close
-// instead of two; the device code is the phases' own (dispatch_send.cuh, dispatch_recv.cuh), hence the same
-// layout and rows, bit for bit.
+// `dispatch` call (no work to overlap between the halves). Each block sends its tokens, then receives (from
+// Context::ids_first, the ids-first order below: the ids, the layout, then the rows to peers and the own rows'
+// copies together, then the peers' rows). The ready words a block waits for are SET by the last block of each
+// source's send, this rank's included, so every block must be resident: a cooperative launch, its grid capped at
+// co-residency. One launch, one start and one close instead of two; the device code is the phases' own
+// (dispatch_send.cuh, dispatch_recv.cuh), hence the same layout and rows, bit for bit.
 #include <algorithm>
 
 #include "dispatch_recv.cuh"
@@ -89,6 +90,7 @@ __global__ void dispatch_ids_first_kernel(Context ctx, DispatchSendArgs send, Di
   finish_receive(ctx, recv, r);
 }
 
+// Either order's kernel, its grid the larger of the two phases' grids capped at co-residency (it waits for itself).
 template <typename Kernel>
 cudaError_t launch_cooperative(Kernel kernel, int wanted_blocks, const Context& ctx, const DispatchSendArgs& send,
                                const DispatchRecvArgs& recv, cudaStream_t stream) {
