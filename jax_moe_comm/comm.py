@@ -94,6 +94,7 @@ class MoEComm:
             if np.dtype(grad_dtype) not in COMBINE_DTYPES:
                 raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {np.dtype(grad_dtype).name}")
         self.combine_weights_at = nvshmem_backend.combine_weights_at(cfg)
+        nvshmem_backend.check_ids_first_threshold()
         if self.backend == "nvshmem":
             self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
         else:

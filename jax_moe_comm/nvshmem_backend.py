@@ -55,6 +55,18 @@ def combine_weights_at(cfg: MoECommConfig) -> str:
     return "send" if cfg.max_tokens >= threshold else "recv"
 
 
+def check_ids_first_threshold() -> None:
+    """JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS, when set, must be an integer: from that many tokens per rank the fused
+    dispatch sends its ids first (ffi/dispatch.cu; read by the extension when a context is made, default 1024)."""
+    text = os.environ.get("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS")
+    if text is None:
+        return
+    try:
+        int(text)
+    except ValueError:
+        raise ValueError(f"JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS must be an integer, got {text!r}") from None
+
+
 def _round16(n: int) -> int:
     return -(-n // 16) * 16
 

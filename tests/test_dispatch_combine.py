@@ -341,6 +341,14 @@ def test_prereduce_threshold_must_be_an_integer(monkeypatch):
         MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference")
 
 
+def test_ids_first_threshold_must_be_an_integer(monkeypatch):
+    monkeypatch.setenv("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS", "1k")
+    with pytest.raises(ValueError, match="JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS must be an integer, got '1k'"):
+        MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference")
+    monkeypatch.setenv("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS", "1")
+    assert MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference").combine_weights_at == "recv"
+
+
 @pytest.mark.parametrize("value, fused", [(None, True), ("1", True), ("0", False)])
 def test_fused_calls_run_one_kernel_per_direction_unless_switched_off(monkeypatch, value, fused):
     """JAX_MOE_COMM_FUSED (read when a MoEComm is made): on the NVLink path the fused dispatch and combine run one
