@@ -84,16 +84,16 @@ struct Context {
   int32_t* row_of;            // [num_dp][max_tokens][K] packed row of (group, token, slot): row_origin inverted by
                               // the pre-reduced combine_send (entries are checked against row_origin before use)
   uint64_t* marks;            // [4 phases][kMarks] (device memory, not symmetric), or null: no stamps
-  int32_t* block_counts;      // [L * num_dp][kMaxBlocksPerSm * sm_count] (device memory, not symmetric; NVLink path,
-                              // else null): rows of each (local expert, group) in each fused dispatch block's share
-                              // of the arrivals (dispatch_recv's split histogram)
+  int32_t* block_counts;      // [L * num_dp][kMaxBlocksPerSm * sm_count] (device memory, not symmetric; with
+                              // ids_first, else null): rows of each (local expert, group) in each block's shares of
+                              // the arrivals (histogram_split)
   int64_t peer_offset[kMaxNvlinkPeers];  // with p2p: bytes from a local symmetric address to rank pe's copy of it
                                          // as this GPU maps it (peer_ptr; what nvshmem_ptr computes on the device)
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put
   bool ids_first;             // the fused dispatch sends every ids row before any row (dispatch.cu): NVLink, one
-                              // replica per DP group, block_counts, and JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS (default
-                              // kIdsFirstMinTokens) tokens per rank or more
+                              // replica per DP group, and JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS (default
+                              // kIdsFirstMinTokens) tokens per rank or more (and block_counts allocated)
   size_t symmetric_bytes;
 };
 

@@ -144,14 +144,17 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   }
   if (std::getenv("JAX_MOE_COMM_STAGED")) ctx->p2p = false;  // force the staged puts (any transport)
   ctx->symmetric_bytes = bytes.total();
-  // The fused dispatch's per-block histograms (local device memory; NVLink path only). Without them every block
-  // histograms all arrivals. Never read before written in the same call: no zeroing.
+  // The ids-first dispatch and its per-block histograms (local device memory, read only by that kernel; never read
+  // before written in the same call: no zeroing). Without them the fused dispatch sends first.
+  const char* ids_first_min = std::getenv("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS");
+  ctx->ids_first = ctx->p2p && sizes.dp_size == 1 &&
+                   sizes.max_tokens >= (ids_first_min ? std::atoi(ids_first_min) : kIdsFirstMinTokens);
   const size_t count_bytes = static_cast<size_t>(sizes.local_experts) * sizes.num_dp * kMaxBlocksPerSm *
                              sizes.sm_count * sizeof(int32_t);
-  if (ctx->p2p && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) ctx->block_counts = nullptr;
-  const char* ids_first_min = std::getenv("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS");
-  ctx->ids_first = ctx->p2p && ctx->block_counts != nullptr && sizes.dp_size == 1 &&
-                   sizes.max_tokens >= (ids_first_min ? std::atoi(ids_first_min) : kIdsFirstMinTokens);
+  if (ctx->ids_first && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) {
+    ctx->block_counts = nullptr;
+    ctx->ids_first = false;
+  }
   if (std::getenv("JAX_MOE_COMM_KERNEL_MARKS") != nullptr &&
       (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
        cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess)) {
