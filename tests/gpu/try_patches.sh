@@ -5,8 +5,8 @@
 #   git diff main...small-t-steps > exp_small_t.patch    # here: a patch is a file in the tree (untracked is fine)
 #   PATCHES="exp_small_t.patch exp_t4096.patch" RUN_ENV="TESTS=cases HARNESS=1 MARKS=1,128,4096" \
 #     bash tests/gpu/try_patches.sh                        # there
-# RUN_ENV: run.sh's variables for every run (quoted values allowed); RUN_TIMEOUT: seconds per run (default 300);
-# BASE=0 leaves the base run out.
+# RUN_ENV: run.sh's variables for every run (quoted values allowed); BASE_ENV: more of them for the base run alone
+# (e.g. TESTS=cases: the cases once); RUN_TIMEOUT: seconds per run (default 300); BASE=0 leaves the base run out.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 root=${OUT:-/tmp/jmc_gpu_out}
@@ -23,7 +23,9 @@ for p in "${runs[@]}"; do
   fi
   [ "$p" != base ] && patch -s -p1 < "$p"
   mkdir -p "$root/$name"
-  eval "OUT=$root/$name LOGS=/tmp/jmc_logs_$name JMC_COMMIT=${JMC_COMMIT:-unknown}+$name $(printf '%s' "${RUN_ENV:-}")" \
+  vars=${RUN_ENV:-}
+  [ "$p" = base ] && vars="$vars ${BASE_ENV:-}"
+  eval "OUT=$root/$name LOGS=/tmp/jmc_logs_$name JMC_COMMIT=${JMC_COMMIT:-unknown}+$name $(printf '%s' "$vars")" \
     timeout "${RUN_TIMEOUT:-300}" bash tests/gpu/run.sh > /dev/null 2>&1
   [ "$p" != base ] && patch -s -R -p1 < "$p"
   names+=("$name")
