@@ -96,6 +96,7 @@ NB_MODULE(_nvshmem_ext, m) {
         {"combine_send", nb::capsule(reinterpret_cast<void*>(jmc_combine_send))},
         {"combine_recv", nb::capsule(reinterpret_cast<void*>(jmc_combine_recv))},
         {"dispatch", nb::capsule(reinterpret_cast<void*>(jmc_dispatch))},
-        {"combine", nb::capsule(reinterpret_cast<void*>(jmc_combine))}};
+        {"combine", nb::capsule(reinterpret_cast<void*>(jmc_combine))},
+        {"probe", nb::capsule(reinterpret_cast<void*>(jmc_probe))}};
   }, "XLA FFI handler capsules for jax.ffi.register_ffi_target(..., platform='CUDA').");
 }

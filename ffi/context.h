@@ -76,11 +76,14 @@ struct Context {
   uint64_t* weights_ready;    // [world] 1 once that source's weights landed here
   char* combine_partials;     // [world][max_tokens] combine rows: rank r's weighted sum of token t's rows on r
   uint64_t* partials_ready;   // [world] 1 once every partial row from that rank landed here
+  uint64_t* probe_ready;      // [world] the epoch of the last probe (ffi/probe.cu) whose bytes landed from that rank
   // Local only (never addressed by peers).
   int32_t* status_scratch;    // [4 phases][kStatusWords] errors of the running call; the phase's last block
                               // copies them to the call's status output and clears them (no memset per call)
   unsigned* blocks_done;      // [4 phases] blocks of the running call that have finished
   int32_t* next_phase;        // [1] the phase this MoEComm runs next: one round trip at a time, in phase order
+  uint32_t* probe_epoch;      // [1] probes (ffi/probe.cu) this MoEComm has run
+  unsigned* probe_blocks;     // [2] blocks of the running probe past its send, past its copy
   int32_t* row_of;            // [num_dp][max_tokens][K] packed row of (group, token, slot): row_origin inverted by
                               // the pre-reduced combine_send (entries are checked against row_origin before use)
   uint64_t* marks;            // [4 phases][kMarks] (device memory, not symmetric), or null: no stamps

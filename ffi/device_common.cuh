@@ -270,5 +270,8 @@ cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, co
                             cudaStream_t stream);
 cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, const CombineRecvArgs& recv,
                            cudaStream_t stream);
+// The bench's floor (probe.cu, NVLink path only): bytes of x to the next rank, the previous rank's into out.
+cudaError_t launch_probe(const Context& ctx, const void* x, void* out, long long bytes, int32_t* status,
+                         cudaStream_t stream);
 
 }  // namespace jmc

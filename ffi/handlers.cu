@@ -91,6 +91,14 @@ ffi::Error Combine(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi
   return launched(launch_combine(context_of(context), send, recv, stream), "combine");
 }
 
+// The bench's floor (probe.cu): x's bytes to the next rank; out gets the previous rank's.
+ffi::Error Probe(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                 ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
+  return launched(launch_probe(context_of(context), x.untyped_data(), out->untyped_data(),
+                               static_cast<long long>(x.size_bytes()), status->typed_data(), stream),
+                  "probe");
+}
+
 }  // namespace
 }  // namespace jmc
 
@@ -166,3 +174,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine, jmc::Combine,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("reduced"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_probe, jmc::Probe,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("context"));

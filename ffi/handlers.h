@@ -10,4 +10,5 @@ XLA_FFI_Error* jmc_combine_send(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jmc_combine_recv(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jmc_dispatch(XLA_FFI_CallFrame* call_frame);  // the fused halves (NVLink path)
 XLA_FFI_Error* jmc_combine(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* jmc_probe(XLA_FFI_CallFrame* call_frame);  // the bench's floor (probe.cu)
 }

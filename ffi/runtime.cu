@@ -58,10 +58,11 @@ namespace {
 
 struct Layout {  // byte sizes of each symmetric buffer, in allocation order
   size_t dispatch_staging, dispatch_slots, dispatch_ids, dispatch_ready, combine_staging, combine_slots,
-      combine_words, sync, combine_weights, weights_ready, combine_partials, partials_ready, row_of, local;
+      combine_words, sync, combine_weights, weights_ready, combine_partials, partials_ready, probe_ready, row_of, local;
   size_t total() const {
     return dispatch_staging + dispatch_slots + dispatch_ids + dispatch_ready + combine_staging + combine_slots +
-           combine_words + sync + combine_weights + weights_ready + combine_partials + partials_ready + row_of + local;
+           combine_words + sync + combine_weights + weights_ready + combine_partials + partials_ready + probe_ready +
+           row_of + local;
   }
 };
 
@@ -82,6 +83,7 @@ Layout layout_of(const Sizes& s) {
       round16(slots * s.experts_per_token * sizeof(float)),
       world_words,
       static_cast<size_t>(s.world) * s.max_tokens * s.combine_stride,
+      world_words,
       world_words,
       round16(static_cast<size_t>(s.num_dp) * s.max_tokens * s.experts_per_token * sizeof(int32_t)),
       kPhases * kStatusWords * sizeof(int32_t) + kPhases * sizeof(unsigned) + 16,
@@ -131,10 +133,13 @@ Context* create_context(const Sizes& sizes, std::string* error) {
   ctx->weights_ready = reinterpret_cast<uint64_t*>(take(bytes.weights_ready));
   ctx->combine_partials = take(bytes.combine_partials);
   ctx->partials_ready = reinterpret_cast<uint64_t*>(take(bytes.partials_ready));
+  ctx->probe_ready = reinterpret_cast<uint64_t*>(take(bytes.probe_ready));
   ctx->row_of = reinterpret_cast<int32_t*>(take(bytes.row_of));
   ctx->status_scratch = reinterpret_cast<int32_t*>(take(bytes.local));
   ctx->blocks_done = reinterpret_cast<unsigned*>(ctx->status_scratch + kPhases * kStatusWords);
   ctx->next_phase = reinterpret_cast<int32_t*>(ctx->blocks_done + kPhases);
+  ctx->probe_epoch = reinterpret_cast<uint32_t*>(ctx->next_phase + 1);  // the local words' last 16 bytes:
+  ctx->probe_blocks = reinterpret_cast<unsigned*>(ctx->probe_epoch + 1);  // next_phase, probe_epoch, probe_blocks
   // NVLink: every peer's heap is mapped here, at a fixed offset from ours (so for every buffer of this allocation).
   ctx->p2p = sizes.world <= kMaxNvlinkPeers;
   for (int pe = 0; pe < sizes.world && ctx->p2p; ++pe) {

@@ -6,8 +6,10 @@
 
 Backends: ``nvshmem`` (MoEComm, CUDA kernels; one GPU per process, so through the launcher), ``reference``
 (MoEComm, pure-JAX collectives), ``ragged`` (``baselines.ragged_*``: MaxText-style ``ragged_all_to_all``; not
-implemented by XLA:CPU) and ``padded`` (``baselines.padded_*``: ``all_to_all`` at worst-case capacity). Every
-backend runs per shard inside ``jax.shard_map`` over the mesh axis "ep" of all devices, with the same inputs.
+implemented by XLA:CPU), ``padded`` (``baselines.padded_*``: ``all_to_all`` at worst-case capacity) and ``floor``
+(the protocol's floor on NVLink, ffi/probe.cu: per direction one kernel that moves the T rows to the peer, fences,
+signals and waits, with no routing and no layout; its result is not checked). Every backend runs per shard inside
+``jax.shard_map`` over the mesh axis "ep" of all devices, with the same inputs.
 
 Configs (per rank: ``tokens`` rows of x; expert stand-in: dequantize, multiply by 2, cast to the combine dtype):
 
@@ -65,12 +67,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm
-from jax_moe_comm import _native, baselines
+from jax_moe_comm import _native, baselines, nvshmem_backend
+from jax_moe_comm import comm as comm_module
 from jax_moe_comm._cli import prepare_process
 from jax_moe_comm.launch import initialize_distributed
 
 AXIS = "ep"
-ALL_BACKENDS = ("nvshmem", "reference", "ragged", "padded")
+ALL_BACKENDS = ("nvshmem", "reference", "ragged", "padded", "floor")
 EPS = 1e-3  # weight of the previous output in the next input of a chain
 TOLERANCE = 2e-2
 NVSHMEM_MIN_HEAP = 1 << 30
@@ -242,7 +245,36 @@ class BaselineImpl(Impl):
         return self._combine(expert_y, aux, w, axis_name=AXIS, out_dtype=self.cfg.combine_dtype)
 
 
+class FloorImpl(Impl):
+    """The protocol's floor on this machine (ffi/probe.cu): each direction one kernel that stores the T rows (x,
+    then the expert outputs) into the peer, fences, signals and waits, and copies what landed into its result, with
+    no routing and no layout. The chain and its glue are the other backends'; its result is no round trip's (not
+    checked). Only with the NVSHMEM backend (NVLink)."""
+
+    name = "floor"
+    halves = False
+
+    def __init__(self, cfg: BenchConfig, tokens: int, mesh: Mesh) -> None:
+        self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend="nvshmem", check_errors=False)
+        plan = self.comm._plan
+        if not plan.p2p:
+            self.comm.close()
+            raise RuntimeError("the floor probe needs NVLink stores to every peer")
+        self._probe = lambda a: comm_module._per_shard(self.comm, lambda s: nvshmem_backend.probe_exchange(plan, s), a)
+
+    def dispatch(self, x, scales, ids):
+        return self._probe(x), scales, None
+
+    def combine(self, expert_y, aux, w):
+        return self._probe(expert_y)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
 def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool = True) -> Impl:
+    if name == "floor":
+        return FloorImpl(cfg, tokens, mesh)
     if name in ("nvshmem", "reference"):
         return CommImpl(name, cfg, tokens, mesh, check_errors)
     return BaselineImpl(name, cfg)
@@ -551,20 +583,21 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
         if not all_processes_ok(error is None):
             row.error = error or "failed on another process"
             return row
-        if "reference" in expected_y and name != "reference":
-            row.rel_err = relative_error(y, expected_y["reference"])
-            against = "the reference backend"
-        else:
-            row.rel_err = relative_error(y, expected_y["numpy"])
-            against = "the NumPy brute force"
-        if name == "reference" and row.rel_err < TOLERANCE:
-            host = np.zeros(y.shape, np.float32)  # only this process's rows are filled (and ever read)
-            for rows, data in local_rows(y):
-                host[rows] = data
-            expected_y["reference"] = host
+        if name != "floor":  # the floor's result is the bytes moved, no round trip's: nothing to check
+            if "reference" in expected_y and name != "reference":
+                row.rel_err = relative_error(y, expected_y["reference"])
+                against = "the reference backend"
+            else:
+                row.rel_err = relative_error(y, expected_y["numpy"])
+                against = "the NumPy brute force"
+            if name == "reference" and row.rel_err < TOLERANCE:
+                host = np.zeros(y.shape, np.float32)  # only this process's rows are filled (and ever read)
+                for rows, data in local_rows(y):
+                    host[rows] = data
+                expected_y["reference"] = host
+            if not row.rel_err < TOLERANCE:
+                errors["check"] = f"wrong result: relative error {row.rel_err:.2e} against {against}"
         del y
-        if not row.rel_err < TOLERANCE:
-            errors["check"] = f"wrong result: relative error {row.rel_err:.2e} against {against}"
 
         times = {part: [] for part in compiled}
         nbytes = []
@@ -603,7 +636,7 @@ def available_backends(mesh: Mesh, nvshmem_reason: str | None) -> tuple[list[str
     """(backends that can run here, {backend: why not} for the others)."""
     why_not = {}
     if nvshmem_reason is not None:
-        why_not["nvshmem"] = nvshmem_reason
+        why_not["nvshmem"] = why_not["floor"] = nvshmem_reason
     # ragged_all_to_all: XLA:CPU cannot compile it; XLA:GPU with one GPU per process runs it only through its NCCL
     # send/recv fallback, which is off by default (the call fails at run time). Probe with a tiny round trip.
     error = None
@@ -771,7 +804,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     world = mesh.size
 
-    wants_nvshmem = args.backends is None or "nvshmem" in args.backends
+    wants_nvshmem = args.backends is None or bool({"nvshmem", "floor"} & set(args.backends))
     nvshmem_reason = start_nvshmem(wants_nvshmem, args.config_list, args.tokens, mesh)
     available, why_not = available_backends(mesh, nvshmem_reason)
     backends = args.backends if args.backends is not None else available

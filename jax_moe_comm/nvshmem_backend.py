@@ -96,6 +96,7 @@ def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
     return (T * s["token_stride"] + slots * s["token_stride"] + _round16(slots * K * 4) + world_words  # dispatch
             + (s["capacity"] + T * K) * s["combine_stride"] + _round16(T * 8) + world_words  # combine
             + _round16(slots * K * 4) + world_words + world * T * s["combine_stride"] + world_words  # pre-reduced
+            + world_words  # the bench's probe (ffi/probe.cu)
             + _round16(s["num_dp"] * T * K * 4)  # row_of
             + 4 * 4 * 4 + 4 * 4 + 16)  # per phase: status scratch, finished-block counter; the next phase
 
@@ -277,3 +278,12 @@ def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Ar
                                    topk_weights.astype(jnp.float32), handle.num_tokens,
                                    reduced=np.int64(weights_at == "send"))
     return _checked(plan, y, handle.status, send_status, status)
+
+
+def probe_exchange(plan: Plan, x: Array) -> Array:
+    """The bench's floor (ffi/probe.cu; NVLink path), per shard: x's bytes to the next rank, the previous rank's
+    returned in x's shape and dtype. One kernel: the bytes on the link, a fence, a signal and its wait, no routing.
+    x's size must be a multiple of 16 bytes and at most max_tokens rows of the combine dtype; a MoEComm used for
+    probes carries no round trips (the probe lands in its pre-reduced rows' buffer)."""
+    out, _ = _call("probe", (jax.ShapeDtypeStruct(x.shape, x.dtype), _STATUS), plan, x)
+    return out

@@ -248,3 +248,13 @@ def test_round_trip_chain_keeps_every_round_trip(backend, make_mesh):
         return body
 
     assert "XLA merged chained steps" in bench.merged_steps(compiled(barrier_chain), n, 2)
+
+
+def test_floor_backend_needs_the_nvshmem_backend(make_mesh):
+    """The floor probe (ffi/probe.cu) runs only where the NVSHMEM backend does; elsewhere it is listed as unavailable
+    with the NVSHMEM backend's reason."""
+    from jax_moe_comm import bench
+
+    available, why_not = bench.available_backends(make_mesh(2), "no GPU here")
+    assert "floor" not in available and why_not["floor"] == why_not["nvshmem"] == "no GPU here"
+    assert bench.parse_args(["--backends", "floor"]).backends == ["floor"]

@@ -397,6 +397,27 @@ def raises_promptly(call, text: str, what: str, limit_s: float = 5.0) -> str:
     raise AssertionError(f"no error raised for {what}")
 
 
+def case_probe(mesh, seed):
+    """The bench's floor probe (ffi/probe.cu): every rank gets the previous rank's rows, call after call."""
+    from jax_moe_comm import nvshmem_backend
+
+    world = mesh.shape["ep"]
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
+    try:
+        plan = comm._plan
+        f = jax.jit(jax.shard_map(lambda a: nvshmem_backend.probe_exchange(plan, a), mesh=mesh, in_specs=P("ep"),
+                                  out_specs=P("ep")))
+        rng = np.random.default_rng(seed)
+        for _ in range(3):
+            host = rng.standard_normal((world * 16, 64)).astype(np.float32)
+            want = np.roll(host.reshape(world, 16, 64), 1, axis=0).reshape(world * 16, 64)
+            np.testing.assert_array_equal(gather(f(to_global(mesh, host))), want)
+        return "3 calls, each rank got the previous rank's rows"
+    finally:
+        comm.close()
+
+
 def case_out_of_order(mesh, seed):
     """Two round trips interleaved on one MoEComm (both dispatches before either combine): the kernels refuse the
     phases that run out of order and the call fails with the expected-phase message, quickly, on every rank.
@@ -549,6 +570,7 @@ def main() -> int:
         ("grad: two MoEComms in one step", lambda s: case_grad_composition(mesh, s, "two instances")),
         ("grad: fp8 dispatch, bf16 gradients", lambda s: case_grad_fp8(mesh, s)),
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
+        ("the bench's floor probe", lambda s: case_probe(mesh, s)),
         ("ids first: interleaved round trips", lambda s: ids_first(lambda: case_out_of_order(mesh, s))),
         ("bad expert id", lambda s: case_bad_ids(mesh, s)),
         ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: the timeouts last (3 s from here on)
