@@ -34,7 +34,7 @@ __device__ inline int partial_ranks(const Sizes& s, const int32_t* ids, int* ran
 // lane. A lane's steps stay within one token for many steps (28 at R1), so the token's ids row is read once and its
 // ranks are kept: a grid-strided item per thread met a new token's ids row at every step, a first-touch load
 // (~0.4 us) before the partial rows' loads.
-constexpr int kPartialSteps = 2;
+constexpr int kPartialSteps = 4;
 template <typename In, typename Out>
 __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens, bool vector) {
   const Sizes& s = ctx.s;
