@@ -4,6 +4,9 @@
 // protocol-order check: what one direction of any round trip must at least do on this machine (a launch, the bytes
 // on the link, a fence, a signal and its wait, the bytes into an XLA buffer), timed under the same XLA chain as the
 // real calls. A MoEComm used for probes carries no round trips (the landing region is its pre-reduced partial rows).
+// Nor does a probe wait before reusing the peer's landing region: in a chain, the next probe's stores may reach the
+// peer while it still copies the last one's bytes out. Its result is then not the bytes sent (the bench checks none),
+// and the time stays a lower bound: a real protocol's handshake for that reuse is work the probe leaves out.
 #include <algorithm>
 
 #include "device_common.cuh"
