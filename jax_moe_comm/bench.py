@@ -247,7 +247,8 @@ class BaselineImpl(Impl):
 # XLA:GPU (jax 0.11.2, 2xH200) died with SIGSEGV compiling the floor's chain at one token per rank, with or without
 # command buffers or dynamic-slice fusion, compiled alone or in threads, in any payload dtype; the probe alone at
 # those shapes compiled, and the chain at 128 and 4096 tokens did (benchmarks/NOTES.md, entry 25). A crash ends
-# every process, so that row is refused instead.
+# every process, so that row is refused instead. The suspected cause, a scatter with an empty index constant
+# (_set_leading_rows), is gone from the chain; the refusal stays until a GPU run compiles the chain there.
 ONE_TOKEN_FLOOR = "not at 1 token per rank: XLA:GPU crashed compiling this chain there (benchmarks/NOTES.md, 25)"
 
 
@@ -310,6 +311,13 @@ def _metadata(aux) -> list:
     return jax.tree.leaves(aux)
 
 
+def _set_leading_rows(a: Array, rows: Array) -> Array:
+    """a with its first rows.shape[0] rows replaced by rows. A dynamic_update_slice: ``a.at[:n].set(rows)`` lowers to
+    a scatter, and where n is all of a's rows to one whose indices are an empty constant, which XLA:GPU (jax 0.11.2)
+    died compiling inside shard_map (the floor's chain at one token per rank; benchmarks/NOTES.md, entry 25)."""
+    return jax.lax.dynamic_update_slice_in_dim(a, rows.astype(a.dtype), 0, axis=0)
+
+
 def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
     """n round trips, each tied to the last by data (never by an optimization barrier alone: XLA may drop a
     barrier before it merges identical collectives, and the chain then runs as one round trip). Only the first runs
@@ -326,7 +334,7 @@ def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
                 expert_y = expert_stand_in(cfg, rows, row_scales)
             else:  # combine starts after this dispatch has delivered its rows (and their scales)
                 extra = 0.0 if row_scales is None else row_scales[:1, :1]
-                expert_y = expert_y.at[:1].set(_step(expert_y[:1], rows[:1], extra))
+                expert_y = _set_leading_rows(expert_y, _step(expert_y[:1], rows[:1], extra))
             y = impl.combine(expert_y, aux, w)
             x = _step(x, y)
             if scales is not None:
@@ -356,7 +364,7 @@ def combine_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
         y = None
         for _ in range(n):
             y = impl.combine(expert_y, aux, w)
-            expert_y = expert_y.at[: y.shape[0]].set(_step(expert_y[: y.shape[0]], y))
+            expert_y = _set_leading_rows(expert_y, _step(expert_y[: y.shape[0]], y))
         return y, expert_y
 
     return body
