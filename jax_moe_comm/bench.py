@@ -315,7 +315,7 @@ def _set_leading_rows(a: Array, rows: Array) -> Array:
     """a with its first rows.shape[0] rows replaced by rows. A dynamic_update_slice: ``a.at[:n].set(rows)`` lowers to
     a scatter, and where n is all of a's rows to one whose indices are an empty constant, which XLA:GPU (jax 0.11.2)
     died compiling inside shard_map (the floor's chain at one token per rank; benchmarks/NOTES.md, entry 25)."""
-    return jax.lax.dynamic_update_slice_in_dim(a, rows.astype(a.dtype), 0, axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(a, rows, 0, axis=0)
 
 
 def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:

@@ -98,7 +98,8 @@ def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
             + _round16(slots * K * 4) + world_words + world * T * s["combine_stride"] + world_words  # pre-reduced
             + world_words  # the bench's probe (ffi/probe.cu)
             + _round16(s["num_dp"] * T * K * 4)  # row_of
-            + 4 * 4 * 4 + 4 * 4 + 16)  # per phase: status scratch, finished-block counter; the next phase
+            + 4 * 4 * 4 + 4 * 4 + 16)  # per phase: status scratch, finished-block counter; the next phase and the
+                                       # probe's epoch and block counters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +285,7 @@ def probe_exchange(plan: Plan, x: Array) -> Array:
     """The bench's floor (ffi/probe.cu; NVLink path), per shard: x's bytes to the next rank, the previous rank's
     returned in x's shape and dtype. One kernel: the bytes on the link, a fence, a signal and its wait, no routing.
     x's size must be a multiple of 16 bytes and at most max_tokens rows of the combine dtype; a MoEComm used for
-    probes carries no round trips (the probe lands in its pre-reduced rows' buffer)."""
-    out, _ = _call("probe", (jax.ShapeDtypeStruct(x.shape, x.dtype), _STATUS), plan, x)
-    return out
+    probes carries no round trips (the probe lands in its pre-reduced rows' buffer). A peer that never signals
+    raises as any call's timeout does (check_errors; reported under combine_recv, whose phase slot it uses)."""
+    out, status = _call("probe", (jax.ShapeDtypeStruct(x.shape, x.dtype), _STATUS), plan, x)
+    return _checked(plan, out, status)
