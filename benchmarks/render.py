@@ -86,6 +86,8 @@ def markdown_table(record: dict) -> str:
     if record.get("check_errors") is False:
         header += (" MoEComm backends timed with `check_errors=False` (`--no-check`): the per-round-trip error "
                    "callback, a host synchronisation, is left out.")
+    if record.get("weights_to") == "dispatch":
+        header += " The MoEComm backends got the top-k weights with dispatch (`--weights-to dispatch`)."
     if record.get("note"):
         header += f" Note: {record['note']}"
     text = [header, "", *lines]

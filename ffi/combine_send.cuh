@@ -74,8 +74,10 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
 
 // Pre-reduced combine_send (a cooperative launch: every block resident, so blocks may wait for peers' blocks).
 // False when the phase did not run (out of protocol order); `advance` as in combine_send_rows.
-//   1. Publish this replica's tokens' weights to every rank; invert row_origin into row_of (local).
-//   2. Grid barrier; SET our weights_ready word on every rank; wait for every source's.
+//   1. Publish this replica's tokens' weights to every rank (unless the dispatch did: a.weights_sent); invert
+//      row_origin into row_of (local).
+//   2. Grid barrier; SET our weights_ready word on every rank; wait for every source's (unless a.weights_sent: the
+//      weights came before each source's dispatch ready signal, which this rank's dispatch waited for).
 //   3. A warp per arrived token (source rank src, its slot i): sum w * expert_y over the token's live slots whose
 //      expert is here, in slot order, in fp32; store the sum (Partial) into every replica of the token's group, at
 //      combine_partials[this rank][token].
@@ -96,7 +98,7 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
     return min(max(token_count(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src)), 0),
                s.slots_per_source);
   };
-  const int my_tokens = tokens_of(s.rank);
+  const int my_tokens = a.weights_sent ? 0 : tokens_of(s.rank);
   for (int i = gwarp; i < my_tokens; i += nwarps) {
     const float w = lane < K ? a.topk_weights[static_cast<size_t>(replica + i * s.dp_size) * K + lane] : 0.f;
     const size_t at = (static_cast<size_t>(s.rank) * s.slots_per_source + i) * K + lane;
@@ -112,9 +114,12 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   cooperative_groups::this_grid().sync();
 
   // 2. Weights: ours are everywhere; wait for every source's (a thread per source, in every block).
-  if (blockIdx.x == 0 && threadIdx.x < s.world)
-    signal_peer(ctx, ctx.weights_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
-  if (threadIdx.x < s.world) wait_at_least(ctx.weights_ready + threadIdx.x, 1, s, status, kCombineSend, threadIdx.x);
+  if (!a.weights_sent) {
+    if (blockIdx.x == 0 && threadIdx.x < s.world)
+      signal_peer(ctx, ctx.weights_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    if (threadIdx.x < s.world)
+      wait_at_least(ctx.weights_ready + threadIdx.x, 1, s, status, kCombineSend, threadIdx.x);
+  }
   __syncthreads();
   mark(ctx, kCombineSend, kWaited);
 

@@ -246,6 +246,8 @@ inline int blocks_for(long long work, int per_block, int cap) {
 // Launch helpers (host side), one per phase and one per fused direction; each returns the CUDA error of its launch.
 struct DispatchSendArgs {
   const void* x; const float* scales; const int32_t* topk_ids; const int32_t* num_tokens; int32_t* status;
+  const float* topk_weights = nullptr;  // [T, K] the combine's weights, given to dispatch (NVLink path): stored with
+                                        // the ids rows into every rank's combine_weights (null: none)
 };
 struct DispatchRecvArgs {
   void* expert_x; float* expert_scales; int32_t* group_sizes; int32_t* row_origin; int32_t* status;
@@ -254,6 +256,7 @@ struct CombineSendArgs {
   const void* expert_y; int elem_bytes; const int32_t* row_origin; int32_t* status;
   const float* topk_weights;  // [T, K] this rank's weights: pre-reduce (null: send rows per slot)
   int in_dtype, partial_dtype;  // dtype codes of expert_y and of the partial rows (pre-reduced only)
+  bool weights_sent = false;    // the round trip's dispatch stored the weights everywhere: no exchange here
 };
 struct CombineRecvArgs {
   const int32_t* topk_ids; const float* topk_weights; const int32_t* num_tokens; void* out;

@@ -136,9 +136,12 @@ __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendA
     const int dest_of_lane = lane_dest(s, ids, lane);
     mark(ctx, kDispatchSend, kStep1);  // the token's ids read (block 0's last token)
     const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
+    const bool weighs = a.topk_weights != nullptr && lane < K;
+    const float weight = weighs ? a.topk_weights[static_cast<size_t>(t) * K + lane] : 0.f;
     for (int d = 0; d < s.world; ++d) {
       int32_t* ids_row = peer_ptr(ctx, ctx.dispatch_ids + slot * K, d);
       if (lane < K) ids_row[lane] = id;
+      if (weighs) peer_ptr(ctx, ctx.combine_weights, d)[slot * K + lane] = weight;
     }
     mark(ctx, kDispatchSend, kStep2);  // the ids rows stored
     store_token_row(ctx, slot, a, t, lane, dest_of_lane);
@@ -152,14 +155,18 @@ __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendA
 
 
 // The ids-first order of the fused dispatch (dispatch.cu; one replica per DP group, so this rank's token i is token
-// i): every token's ids row to every rank first, a thread per id.
+// i): every token's ids row (and weights, if given) to every rank first, a thread per id.
 __device__ inline void store_ids_rows(const Context& ctx, const DispatchSendArgs& a, int my_tokens) {
   const Sizes& s = ctx.s;
-  int32_t* ids_rows = ctx.dispatch_ids + static_cast<size_t>(s.rank) * s.slots_per_source * s.experts_per_token;
+  const size_t first = static_cast<size_t>(s.rank) * s.slots_per_source * s.experts_per_token;
   const int ids = my_tokens * s.experts_per_token;
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < ids; j += gridDim.x * blockDim.x) {
     const int32_t id = a.topk_ids[j];
-    for (int d = 0; d < s.world; ++d) peer_ptr(ctx, ids_rows, d)[j] = id;
+    for (int d = 0; d < s.world; ++d) peer_ptr(ctx, ctx.dispatch_ids + first, d)[j] = id;
+    if (a.topk_weights != nullptr) {
+      const float w = a.topk_weights[j];
+      for (int d = 0; d < s.world; ++d) peer_ptr(ctx, ctx.combine_weights + first, d)[j] = w;
+    }
   }
 }
 

@@ -27,11 +27,13 @@ int dtype_code(ffi::DataType t) {  // shared with combine_recv.cu
   }
 }
 
+// topk_weights [T, K] go with the ids rows (given to dispatch; the NVLink path); an empty array: none.
 ffi::Error DispatchSend(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
                         ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::S32> num_tokens,
-                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> status,
+                        int64_t context) {
   DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
-                     status->typed_data()};
+                     status->typed_data(), topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
   return launched(launch_dispatch_send(context_of(context), a, stream), "dispatch_send");
 }
 
@@ -44,14 +46,15 @@ ffi::Error DispatchRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status
   return launched(launch_dispatch_recv(context_of(context), a, stream), "dispatch_recv");
 }
 
-// topk_weights [T, K] pre-reduces (the NVLink path); an empty array sends the rows per slot.
+// topk_weights [T, K] pre-reduces (the NVLink path); an empty array sends the rows per slot. `weights_sent`: the
+// dispatch stored them on every rank already.
 ffi::Error CombineSend(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> row_origin,
                        ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                       int64_t context, int64_t partial_dtype) {
+                       int64_t context, int64_t partial_dtype, int64_t weights_sent) {
   CombineSendArgs a{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
                     row_origin.typed_data(), status->typed_data(),
                     topk_weights.element_count() ? topk_weights.typed_data() : nullptr,
-                    dtype_code(expert_y.element_type()), static_cast<int>(partial_dtype)};
+                    dtype_code(expert_y.element_type()), static_cast<int>(partial_dtype), weights_sent != 0};
   return launched(launch_combine_send(context_of(context), a, stream), "combine_send");
 }
 
@@ -66,26 +69,31 @@ ffi::Error CombineRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status*
 
 // The fused dispatch (NVLink path): dispatch_send's arguments, dispatch_recv's results and both statuses.
 ffi::Error Dispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> topk_ids,
-                    ffi::Buffer<ffi::S32> num_tokens, ffi::Result<ffi::AnyBuffer> expert_x,
+                    ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::F32> topk_weights,
+                    ffi::Result<ffi::AnyBuffer> expert_x,
                     ffi::Result<ffi::Buffer<ffi::F32>> expert_scales, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                     ffi::Result<ffi::Buffer<ffi::S32>> row_origin, ffi::Result<ffi::Buffer<ffi::S32>> send_status,
                     ffi::Result<ffi::Buffer<ffi::S32>> recv_status, int64_t context) {
   DispatchSendArgs send{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
-                        send_status->typed_data()};
+                        send_status->typed_data(),
+                        topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
   DispatchRecvArgs recv{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
                         row_origin->typed_data(), recv_status->typed_data()};
   return launched(launch_dispatch(context_of(context), send, recv, stream), "dispatch");
 }
 
-// The fused combine (NVLink path); `reduced`: pre-reduce on the expert side (partial rows in out's dtype).
+// The fused combine (NVLink path); `reduced`: pre-reduce on the expert side (partial rows in out's dtype);
+// `weights_sent`: the dispatch stored the weights on every rank already.
 ffi::Error Combine(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> row_origin,
                    ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> send_status,
-                   ffi::Result<ffi::Buffer<ffi::S32>> recv_status, int64_t context, int64_t reduced) {
+                   ffi::Result<ffi::Buffer<ffi::S32>> recv_status, int64_t context, int64_t reduced,
+                   int64_t weights_sent) {
   const int in_dtype = dtype_code(expert_y.element_type()), out_dtype = dtype_code(out->element_type());
   CombineSendArgs send{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
                        row_origin.typed_data(), send_status->typed_data(),
-                       reduced ? topk_weights.typed_data() : nullptr, in_dtype, out_dtype};
+                       reduced ? topk_weights.typed_data() : nullptr, in_dtype, out_dtype,
+                       reduced != 0 && weights_sent != 0};
   CombineRecvArgs recv{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
                        reduced ? out_dtype : in_dtype, out_dtype, recv_status->typed_data(), reduced != 0};
   return launched(launch_combine(context_of(context), send, recv, stream), "combine");
@@ -109,6 +117,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("context"));
 
@@ -131,7 +140,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("context")
-                                  .Attr<int64_t>("partial_dtype"));
+                                  .Attr<int64_t>("partial_dtype")
+                                  .Attr<int64_t>("weights_sent"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                               ffi::Ffi::Bind()
@@ -153,6 +163,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch, jmc::Dispatch,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
@@ -173,7 +184,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine, jmc::Combine,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("context")
-                                  .Attr<int64_t>("reduced"));
+                                  .Attr<int64_t>("reduced")
+                                  .Attr<int64_t>("weights_sent"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_probe, jmc::Probe,
                               ffi::Ffi::Bind()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from .types import CombineHandle, Dispatched
@@ -50,12 +51,13 @@ def _backward_comm(comm: MoEComm) -> MoEComm:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> Dispatched:
-    return comm._dispatch_primal(x, topk_ids, scales, num_tokens)
+def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
+             topk_weights: Array | None = None) -> Dispatched:
+    return comm._dispatch_primal(x, topk_ids, scales, num_tokens, topk_weights)
 
 
-def _dispatch_fwd(comm, x, topk_ids, scales, num_tokens):
-    d = comm._dispatch_primal(x, topk_ids, scales, num_tokens)
+def _dispatch_fwd(comm, x, topk_ids, scales, num_tokens, topk_weights=None):
+    d = comm._dispatch_primal(x, topk_ids, scales, num_tokens, topk_weights)
     return d, d.handle
 
 
@@ -69,14 +71,16 @@ def _dispatch_bwd(comm, residuals, ct: Dispatched):
     if dp > 1:  # every replica received the group's dx; each replica's x only sent the tokens it owns
         own = jnp.arange(comm.cfg.max_tokens) % dp == jax.lax.axis_index(comm.axis_name) % dp
         dx = jnp.where(own[:, None], dx, jnp.zeros_like(dx))
-    return dx, None, None, None
+    # Weights given to dispatch only pass into the handle: their cotangent is the one combine gave the handle's.
+    d_weights = None if handle.topk_weights is None else ct.handle.topk_weights
+    return dx, None, None, None, d_weights
 
 
 dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:
+def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights: Array | None) -> Array:
     return comm._combine_primal(expert_y, handle, topk_weights)
 
 
@@ -86,9 +90,19 @@ def _combine_fwd(comm, expert_y, handle, topk_weights):
     return y, (expert_y, handle, topk_weights, done)
 
 
+def _handle_cotangent(handle: CombineHandle, d_weights: Array) -> CombineHandle:
+    """The handle's cotangent: d_weights for the weights it carries (given to dispatch), zeros for its integers."""
+    def zero(a):
+        return np.zeros(a.shape, jax.dtypes.float0)
+
+    return CombineHandle(row_origin=zero(handle.row_origin), topk_ids=zero(handle.topk_ids),
+                         num_tokens=zero(handle.num_tokens), status=zero(handle.status), topk_weights=d_weights)
+
+
 def _combine_bwd(comm, residuals, dy):
     backward = _backward_comm(comm)
-    expert_y, handle, topk_weights, done = residuals
+    expert_y, handle, given_weights, done = residuals
+    topk_weights = handle.topk_weights if given_weights is None else given_weights
     # The backward dispatch reuses this MoEComm's buffers: it must not start before the forward round trip has
     # ended, and dy need not depend on y (e.g. a linear loss), so tie it to the forward's output explicitly.
     dy, _ = jax.lax.optimization_barrier((dy, done))
@@ -118,8 +132,10 @@ def _combine_bwd(comm, residuals, dy):
     # With DP replicas the dots hold the group's dy: the sum of the replicas' weight gradients, shared out equally
     # (exact for anything computed from the replicas' identical weights; each replica's own share would need its
     # own dy dispatched).
-    d_weights = d_weights / dp
-    return d_expert_y, None, d_weights.astype(topk_weights.dtype)
+    d_weights = (d_weights / dp).astype(topk_weights.dtype)
+    if given_weights is None:  # the weights came with dispatch: their cotangent goes back through the handle
+        return d_expert_y, _handle_cotangent(handle, d_weights), None
+    return d_expert_y, None, d_weights
 
 
 combine.defvjp(_combine_fwd, _combine_bwd)

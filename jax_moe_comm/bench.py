@@ -198,7 +198,7 @@ class Impl:
     name = ""
     halves = True  # whether dispatch and combine may run (and be timed) on their own
 
-    def dispatch(self, x, scales, ids):
+    def dispatch(self, x, scales, ids, w):
         raise NotImplementedError
 
     def combine(self, expert_y, aux, w):
@@ -211,17 +211,19 @@ class Impl:
 class CommImpl(Impl):
     """MoEComm, backend "nvshmem" or "reference"."""
 
-    def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool) -> None:
+    def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool,
+                 weights_to: str = "combine") -> None:
         self.name = name
         self.halves = name != "nvshmem"
+        self.weights_to = weights_to  # "dispatch": the weights go with dispatch, combine takes none
         self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend=name, check_errors=check_errors)
 
-    def dispatch(self, x, scales, ids):
-        d = self.comm.dispatch(x, ids, scales)
+    def dispatch(self, x, scales, ids, w):
+        d = self.comm.dispatch(x, ids, scales, topk_weights=w if self.weights_to == "dispatch" else None)
         return d.expert_x, d.expert_scales, (d.group_sizes, d.handle)
 
     def combine(self, expert_y, aux, w):
-        return self.comm.combine(expert_y, aux[1], w)
+        return self.comm.combine(expert_y, aux[1], None if self.weights_to == "dispatch" else w)
 
     def close(self) -> None:
         self.comm.close()
@@ -236,7 +238,7 @@ class BaselineImpl(Impl):
         self._dispatch = getattr(baselines, f"{name}_dispatch")
         self._combine = getattr(baselines, f"{name}_combine")
 
-    def dispatch(self, x, scales, ids):
+    def dispatch(self, x, scales, ids, w):
         d = self._dispatch(x, ids, num_experts=self.cfg.experts, axis_name=AXIS, scales=scales)
         return d.expert_x, d.expert_scales, d
 
@@ -271,7 +273,7 @@ class FloorImpl(Impl):
             raise RuntimeError("the floor probe needs NVLink stores to every peer")
         self._probe = lambda a: nvshmem_backend.probe_exchange(plan, a)  # per shard, as every Impl's methods
 
-    def dispatch(self, x, scales, ids):
+    def dispatch(self, x, scales, ids, w):
         return self._probe(x), scales, None
 
     def combine(self, expert_y, aux, w):
@@ -281,11 +283,12 @@ class FloorImpl(Impl):
         self.comm.close()
 
 
-def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool = True) -> Impl:
+def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool = True,
+              weights_to: str = "combine") -> Impl:
     if name == "floor":
         return FloorImpl(cfg, tokens, mesh)
     if name in ("nvshmem", "reference"):
-        return CommImpl(name, cfg, tokens, mesh, check_errors)
+        return CommImpl(name, cfg, tokens, mesh, check_errors, weights_to)
     return BaselineImpl(name, cfg)
 
 
@@ -329,7 +332,7 @@ def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
     def body(x, scales, ids, w):
         y = expert_y = None
         for _ in range(n):
-            rows, row_scales, aux = impl.dispatch(x, scales, ids)
+            rows, row_scales, aux = impl.dispatch(x, scales, ids, w)
             if expert_y is None:
                 expert_y = expert_stand_in(cfg, rows, row_scales)
             else:  # combine starts after this dispatch has delivered its rows (and their scales)
@@ -347,7 +350,7 @@ def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
 def dispatch_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
     def body(x, scales, ids, w):
         for _ in range(n):
-            rows, row_scales, aux = impl.dispatch(x, scales, ids)
+            rows, row_scales, aux = impl.dispatch(x, scales, ids, w)
             extra = 1e-9 * _touch(_metadata(aux))
             if row_scales is not None:
                 extra = extra + 1e-9 * jnp.sum(row_scales[: x.shape[0]])
@@ -359,7 +362,7 @@ def dispatch_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
 
 def combine_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
     def body(x, scales, ids, w):
-        rows, row_scales, aux = impl.dispatch(x, scales, ids)  # once, outside the chain
+        rows, row_scales, aux = impl.dispatch(x, scales, ids, w)  # once, outside the chain
         expert_y = expert_stand_in(cfg, rows, row_scales)
         y = None
         for _ in range(n):
@@ -540,7 +543,7 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
     n = args.chain
     impl = None
     try:
-        impl = make_impl(name, cfg, tokens, mesh, args.check_errors)
+        impl = make_impl(name, cfg, tokens, mesh, args.check_errors, args.weights_to)
         error = None
     except Exception as exc:  # noqa: BLE001 (reported in the row)
         error = short_error(exc)
@@ -784,6 +787,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="skip timing dispatch and combine on their own (faster)")
     p.add_argument("--no-check", dest="check_errors", action="store_false",
                    help="MoEComm(check_errors=False): time without the per-round-trip error callback")
+    p.add_argument("--weights-to", choices=("combine", "dispatch"), default="combine",
+                   help="where the MoEComm backends get the top-k weights (default combine; dispatch: they go with "
+                        "the tokens' ids, and the NVLink path's pre-reduced combine exchanges none)")
     p.add_argument("--json", default=None, help="write the record (see benchmarks/README.md) to this path")
     p.add_argument("--plot", default=None, help="write a PNG: latency vs tokens per backend, log-log")
     p.add_argument("--quick", action="store_true",
@@ -850,6 +856,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "chain": args.chain,
         "repeats": args.repeats,
         "check_errors": args.check_errors,
+        "weights_to": args.weights_to,
         "seed": seed,
         "configs": {c.name: c.describe() for c in args.config_list},
         "complete": False,

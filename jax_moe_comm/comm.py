@@ -168,55 +168,76 @@ class MoEComm:
         c = self.cfg
         _check_array("topk_weights", topk_weights, (c.max_tokens, c.experts_per_token), (jnp.float32,))
 
+    def _check_combine_weights(self, handle: CombineHandle, topk_weights, where: str = "combine") -> None:
+        """Weights given to dispatch (in the handle) are the combine's: then none may be given to it. The backends
+        read None with a handle that has weights as "the handle's, sent with dispatch"."""
+        if handle.topk_weights is not None:
+            if topk_weights is not None:
+                raise ValueError(f"topk_weights went with dispatch (they are in the handle): give none to {where}")
+        elif topk_weights is not None:
+            self._check_weights(topk_weights)
+
     # Per-shard API (inside shard_map over axis_name) -------------------------------------------------
     def dispatch_send(self, x: Array, topk_ids: Array, scales: Array | None = None,
-                      num_tokens: Array | None = None):
+                      num_tokens: Array | None = None, topk_weights: Array | None = None):
         """Starts sending tokens to their experts' ranks; returns a pending pytree for ``dispatch_recv``.
 
         x: [max_tokens, H] cfg.dtype; topk_ids: int32 [max_tokens, K] in [-1, E); scales: float32
-        [max_tokens, H // B] (fp8 only); num_tokens: int32 scalar, rows >= num_tokens are ignored.
+        [max_tokens, H // B] (fp8 only); num_tokens: int32 scalar, rows >= num_tokens are ignored;
+        topk_weights: float32 [max_tokens, K] or None, the combine's weights sent now (see ``dispatch``).
         """
         num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens)
-        return self._impl.dispatch_send(self._plan, x, topk_ids, scales, num_tokens)
+        if topk_weights is not None:
+            self._check_weights(topk_weights)
+        return self._impl.dispatch_send(self._plan, x, topk_ids, scales, num_tokens, topk_weights)
 
     def dispatch_recv(self, pending) -> Dispatched:
         """Waits for the rows of ``dispatch_send`` and returns them packed by local expert."""
         return self._impl.dispatch_recv(self._plan, pending)
 
     def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None,
-                 num_tokens: Array | None = None) -> Dispatched:
-        """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout. Differentiable (see custom_vjp)."""
-        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens)
-        if self.custom_vjp:
-            return autodiff.dispatch(self, x, topk_ids, scales, num_tokens)
-        return self._dispatch_primal(x, topk_ids, scales, num_tokens)
+                 num_tokens: Array | None = None, topk_weights: Array | None = None) -> Dispatched:
+        """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout. Differentiable (see custom_vjp).
 
-    def _dispatch_primal(self, x, topk_ids, scales, num_tokens) -> Dispatched:
-        return self._impl.dispatch(self._plan, x, topk_ids, scales, num_tokens)
+        topk_weights (float32 [max_tokens, K], optional): the combine's weights, given here instead of to combine
+        (they land in ``handle.topk_weights``, and combine then takes none). The NVSHMEM backend's NVLink path sends
+        them with the tokens' ids, so its pre-reduced combine need not exchange them (one signal round trip less)."""
+        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens)
+        if topk_weights is not None:
+            self._check_weights(topk_weights)
+        if self.custom_vjp:
+            return autodiff.dispatch(self, x, topk_ids, scales, num_tokens, topk_weights)
+        return self._dispatch_primal(x, topk_ids, scales, num_tokens, topk_weights)
+
+    def _dispatch_primal(self, x, topk_ids, scales, num_tokens, topk_weights=None) -> Dispatched:
+        return self._impl.dispatch(self._plan, x, topk_ids, scales, num_tokens, topk_weights)
 
     def combine_send(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None):
         """Starts sending expert outputs [capacity, H] back to their tokens' ranks (bf16/fp16/fp32, no wider
         than out_dtype). The weights [max_tokens, K] go either here or to combine_recv; given here, the NVSHMEM
         backend sums each token's rows on the expert side and sends one row per (token, expert rank) instead of
-        one per slot (rows in the output dtype: within its rounding of the per-slot sum)."""
+        one per slot (rows in the output dtype: within its rounding of the per-slot sum). With weights in the handle
+        (given to dispatch) none are given here or to combine_recv: they count as given here."""
         self._check_combine_args(expert_y, handle)
-        if topk_weights is not None:
-            self._check_weights(topk_weights)
+        self._check_combine_weights(handle, topk_weights, "combine_send")
         return self._impl.combine_send(self._plan, expert_y, handle, topk_weights)
 
     def combine_recv(self, pending, topk_weights: Array | None = None) -> Array:
         """Waits for the expert rows and returns y [max_tokens, H] out_dtype, y[i] = sum_k w[i,k] row(i,k).
-        topk_weights: here exactly when combine_send did not get them."""
+        topk_weights: here exactly when combine_send did not get them (nor dispatch)."""
         if topk_weights is not None:
             self._check_weights(topk_weights)
         if (topk_weights is None) == (getattr(pending, "topk_weights", None) is None):
-            raise ValueError("topk_weights must be given to exactly one of combine_send and combine_recv")
+            raise ValueError("topk_weights must be given to exactly one of dispatch, combine_send and combine_recv")
         return self._impl.combine_recv(self._plan, pending, topk_weights)
 
-    def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:
-        """``combine_recv(combine_send(expert_y, handle), topk_weights)``. Differentiable (see custom_vjp)."""
+    def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None) -> Array:
+        """``combine_recv(combine_send(expert_y, handle), topk_weights)``. Differentiable (see custom_vjp).
+        topk_weights: float32 [max_tokens, K], unless dispatch got them (then None: the handle's are used)."""
         self._check_combine_args(expert_y, handle)
-        self._check_weights(topk_weights)
+        if handle.topk_weights is None and topk_weights is None:
+            raise ValueError("topk_weights is required: give them to combine or to dispatch")
+        self._check_combine_weights(handle, topk_weights)
         if self.custom_vjp:
             return autodiff.combine(self, expert_y, handle, topk_weights)
         return self._combine_primal(expert_y, handle, topk_weights)
@@ -240,11 +261,12 @@ def _per_shard(comm: MoEComm, fn, *args):
 
 
 def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None = None,
-             num_tokens: Array | None = None) -> Dispatched:
+             num_tokens: Array | None = None, topk_weights: Array | None = None) -> Dispatched:
     """Global-view dispatch on arrays sharded over ``comm.axis_name`` (usable inside ``jit``).
 
     x: [world * max_tokens, H]; topk_ids: int32 [world * max_tokens, K]; scales: float32
-    [world * max_tokens, H // B] (fp8); num_tokens: int32 [world] (one count per rank) or None.
+    [world * max_tokens, H // B] (fp8); num_tokens: int32 [world] (one count per rank) or None; topk_weights:
+    float32 [world * max_tokens, K] or None (see MoEComm.dispatch).
     Returns a Dispatched whose arrays are the per-shard results concatenated over the EP axis:
     expert_x [world * capacity, H], group_sizes [E], handle.num_tokens [world].
     """
@@ -254,16 +276,17 @@ def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None = No
         if not jnp.issubdtype(num_tokens.dtype, jnp.integer):
             raise ValueError(f"num_tokens must be integer (one count per rank), got {np.dtype(num_tokens.dtype).name}")
 
-    def shard_fn(x, topk_ids, scales, num_tokens):
+    def shard_fn(x, topk_ids, scales, num_tokens, topk_weights):
         count = None if num_tokens is None else num_tokens.reshape(())
-        return comm.dispatch(x, topk_ids, scales, count)
+        return comm.dispatch(x, topk_ids, scales, count, topk_weights)
 
-    return _per_shard(comm, shard_fn, x, topk_ids, scales, num_tokens)
+    return _per_shard(comm, shard_fn, x, topk_ids, scales, num_tokens, topk_weights)
 
 
-def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights: Array) -> Array:
+def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None) -> Array:
     """Global-view combine: expert_y [world * capacity, H], the global handle from ``dispatch``,
-    topk_weights float32 [world * max_tokens, K] -> y [world * max_tokens, H] out_dtype."""
+    topk_weights float32 [world * max_tokens, K] (None when dispatch got them) -> y [world * max_tokens, H]
+    out_dtype."""
 
     def shard_fn(expert_y, handle, topk_weights):
         handle = dataclasses.replace(handle, num_tokens=handle.num_tokens.reshape(()))

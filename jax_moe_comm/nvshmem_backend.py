@@ -155,6 +155,7 @@ class PendingDispatch:
     status: Array
     topk_ids: Array
     num_tokens: Array
+    topk_weights: Array | None = None  # given to dispatch_send: into the handle
 
 
 @pytree_dataclass(static=("in_dtype", "reduced"))
@@ -195,9 +196,27 @@ def _rank(plan: Plan) -> Array:
     return jax.lax.axis_index(plan.geo.axis_name)
 
 
-def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> PendingDispatch:
-    status = _call("dispatch_send", _STATUS, plan, x, _scales_arg(plan, scales), topk_ids, num_tokens)
-    return PendingDispatch(status, topk_ids, num_tokens)
+def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
+                  topk_weights: Array | None = None) -> PendingDispatch:
+    status = _call("dispatch_send", _STATUS, plan, x, _scales_arg(plan, scales), topk_ids, num_tokens,
+                   _sent_weights_arg(plan, topk_weights))
+    return PendingDispatch(status, topk_ids, num_tokens, topk_weights)
+
+
+def _sent_weights_arg(plan: Plan, topk_weights: Array | None) -> Array:
+    """The weights the dispatch kernels store with the ids rows: only on the NVLink path (the staged path leaves
+    them to the pre-reduced combine_send's own exchange)."""
+    if topk_weights is None or not plan.p2p:
+        return jnp.zeros((0,), jnp.float32)
+    return topk_weights.astype(jnp.float32)
+
+
+def _weights_of(plan: Plan, handle: CombineHandle, topk_weights: Array | None) -> tuple[Array | None, bool]:
+    """(the weights a combine uses, whether its dispatch stored them on every rank): None with weights in the handle
+    means the handle's, given to dispatch."""
+    if topk_weights is None and handle.topk_weights is not None:
+        return handle.topk_weights, plan.p2p
+    return topk_weights, False
 
 
 def _scales_arg(plan: Plan, scales: Array | None) -> Array:
@@ -213,38 +232,48 @@ def _received(plan: Plan) -> tuple:
             jax.ShapeDtypeStruct((geo.capacity,), jnp.int32))
 
 
-def _dispatched(plan: Plan, received, topk_ids: Array, num_tokens: Array, *statuses: Array) -> Dispatched:
+def _dispatched(plan: Plan, received, topk_ids: Array, num_tokens: Array, topk_weights: Array | None,
+                *statuses: Array) -> Dispatched:
     expert_x, expert_scales, group_sizes, row_origin = received
     handle = CombineHandle(row_origin=row_origin, topk_ids=topk_ids, num_tokens=num_tokens,
-                           status=errors.first_failure(*statuses))
+                           status=errors.first_failure(*statuses), topk_weights=topk_weights)
     return Dispatched(expert_x, expert_scales if plan.geo.cfg.is_fp8 else None, group_sizes, handle)
 
 
 def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
     *received, status = _call("dispatch_recv", _received(plan) + (_STATUS,), plan, p.status)
-    return _dispatched(plan, received, p.topk_ids, p.num_tokens, p.status, status)
+    return _dispatched(plan, received, p.topk_ids, p.num_tokens, p.topk_weights, p.status, status)
 
 
-def dispatch(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> Dispatched:
+def dispatch(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
+             topk_weights: Array | None = None) -> Dispatched:
     """The fused call: one kernel on the NVLink path (Plan.fused), else dispatch_send then dispatch_recv."""
     if not plan.fused:
-        return dispatch_recv(plan, dispatch_send(plan, x, topk_ids, scales, num_tokens))
+        return dispatch_recv(plan, dispatch_send(plan, x, topk_ids, scales, num_tokens, topk_weights))
     *received, send_status, status = _call("dispatch", _received(plan) + (_STATUS, _STATUS), plan, x,
-                                           _scales_arg(plan, scales), topk_ids, num_tokens)
-    return _dispatched(plan, received, topk_ids, num_tokens, send_status, status)
+                                           _scales_arg(plan, scales), topk_ids, num_tokens,
+                                           _sent_weights_arg(plan, topk_weights))
+    return _dispatched(plan, received, topk_ids, num_tokens, topk_weights, send_status, status)
 
 
 def combine_send(plan: Plan, expert_y: Array, handle: CombineHandle,
                  topk_weights: Array | None = None) -> PendingCombine:
     """With topk_weights on the NVLink path the expert side pre-reduces: one row per (token, expert rank), the
     weighted sum of the token's rows there, in the output dtype (a row of combine_stride bytes), instead of one row
-    per slot."""
+    per slot. None with weights in the handle: the handle's (given to dispatch, which on the NVLink path stored them
+    on every rank: no exchange here)."""
+    return _combine_send(plan, expert_y, handle, *_weights_of(plan, handle, topk_weights))
+
+
+def _combine_send(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Array | None,
+                  sent: bool) -> PendingCombine:
+    """combine_send with its weights resolved (None: rows per slot) and whether the dispatch stored them."""
     cfg = plan.geo.cfg
     reduced = topk_weights is not None and plan.p2p
     partial = cfg.out_dtype
     weights = topk_weights.astype(jnp.float32) if reduced else jnp.zeros((0,), jnp.float32)
     status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin, weights,
-                   partial_dtype=np.int64(_DTYPE_CODE[np.dtype(partial)]))
+                   partial_dtype=np.int64(_DTYPE_CODE[np.dtype(partial)]), weights_sent=np.int64(sent))
     return PendingCombine(status, handle.status, handle.topk_ids, handle.num_tokens, topk_weights,
                           _DTYPE_CODE[np.dtype(partial if reduced else expert_y.dtype)], reduced)
 
@@ -266,18 +295,19 @@ def _checked(plan: Plan, y: Array, *statuses: Array) -> Array:
     return y
 
 
-def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Array, weights_at: str) -> Array:
+def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Array | None, weights_at: str) -> Array:
     """The fused call, the weights given where ``weights_at`` says ("send": pre-reduced on the NVLink path): one
-    kernel on the NVLink path (Plan.fused), else combine_send then combine_recv."""
+    kernel on the NVLink path (Plan.fused), else combine_send then combine_recv. None: the handle's weights."""
+    topk_weights, sent = _weights_of(plan, handle, topk_weights)
     if not plan.fused:
         if weights_at == "send":
-            return combine_recv(plan, combine_send(plan, expert_y, handle, topk_weights), None)
-        return combine_recv(plan, combine_send(plan, expert_y, handle, None), topk_weights)
+            return combine_recv(plan, _combine_send(plan, expert_y, handle, topk_weights, sent), None)
+        return combine_recv(plan, _combine_send(plan, expert_y, handle, None, False), topk_weights)
     cfg = plan.geo.cfg
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS, _STATUS)
     y, send_status, status = _call("combine", results, plan, expert_y, handle.row_origin, handle.topk_ids,
                                    topk_weights.astype(jnp.float32), handle.num_tokens,
-                                   reduced=np.int64(weights_at == "send"))
+                                   reduced=np.int64(weights_at == "send"), weights_sent=np.int64(sent))
     return _checked(plan, y, handle.status, send_status, status)
 
 

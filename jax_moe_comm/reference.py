@@ -36,6 +36,7 @@ class PendingDispatch:
     topk_ids: Array
     num_tokens: Array
     status: Array
+    topk_weights: Array | None = None  # given to dispatch_send: into the handle, for combine
 
 
 @pytree_dataclass
@@ -79,11 +80,12 @@ def _scatter_rows(shape_rows: tuple, index: tuple, rows: Array, fill) -> Array:
     return out.at[index].set(rows, mode="drop")
 
 
-def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> PendingDispatch:
+def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
+                  topk_weights: Array | None = None) -> PendingDispatch:
     """Counts rows per destination rank and packs them into per-peer staging slots, then transfers.
 
     Ordering inside a destination's staging is by (token, slot), so the receiver's layout is deterministic.
-    Replica j of a DP group sends tokens i with i % dp_size == j.
+    Replica j of a DP group sends tokens i with i % dp_size == j. topk_weights, if given, go into the handle.
     """
     T, K = geo.T, geo.K
     rank = jax.lax.axis_index(geo.axis_name)
@@ -110,7 +112,7 @@ def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None
     recv_scales = None
     if scales is not None:
         recv_scales = _exchange(geo, _scatter_rows(staging_shape, index, scales[tok_sorted], 0))
-    return PendingDispatch(recv_x, recv_scales, recv_meta, topk_ids, num_tokens, status)
+    return PendingDispatch(recv_x, recv_scales, recv_meta, topk_ids, num_tokens, status, topk_weights)
 
 
 def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
@@ -144,15 +146,18 @@ def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
         expert_scales = _scatter_rows(cap, (row,), p.recv_scales.reshape((-1,) + p.recv_scales.shape[2:])[order], 0)
     row_origin = _scatter_rows(cap, (row,), origin, -1)
     handle = CombineHandle(row_origin=row_origin, topk_ids=p.topk_ids, num_tokens=p.num_tokens,
-                           status=errors.first_failure(p.status, overflow))
+                           status=errors.first_failure(p.status, overflow), topk_weights=p.topk_weights)
     return Dispatched(expert_x=expert_x, expert_scales=expert_scales, group_sizes=group_sizes, handle=handle)
 
 
 def combine_send(geo: Geometry, expert_y: Array, handle: CombineHandle,
                  topk_weights: Array | None = None) -> PendingCombine:
     """Sends each valid expert row to every replica of its source DP group, tagged with its (token, slot). The
-    weights, if given here, are kept for combine_recv (the kernels' pre-reduction is a speed matter only)."""
+    weights, if given here (or None with weights in the handle: those), are kept for combine_recv (the kernels'
+    pre-reduction is a speed matter only)."""
     T, K = geo.T, geo.K
+    if topk_weights is None:
+        topk_weights = handle.topk_weights
     origin = handle.row_origin
     has_token = origin >= 0
     group = jnp.where(has_token, origin // (T * K), geo.num_dp)
@@ -195,14 +200,18 @@ def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array | None) -
     return jnp.where(live[:, None], acc, 0.0).astype(geo.cfg.out_dtype)
 
 
-def dispatch(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array) -> Dispatched:
+def dispatch(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
+             topk_weights: Array | None = None) -> Dispatched:
     """The fused call (the NVSHMEM backend runs it as one kernel): dispatch_recv(dispatch_send(...))."""
-    return dispatch_recv(geo, dispatch_send(geo, x, topk_ids, scales, num_tokens))
+    return dispatch_recv(geo, dispatch_send(geo, x, topk_ids, scales, num_tokens, topk_weights))
 
 
-def combine(geo: Geometry, expert_y: Array, handle: CombineHandle, topk_weights: Array, weights_at: str) -> Array:
+def combine(geo: Geometry, expert_y: Array, handle: CombineHandle, topk_weights: Array | None,
+            weights_at: str) -> Array:
     """The fused call, the weights given to combine_send (``weights_at`` "send") or to combine_recv: the same sums
-    here either way (the NVSHMEM backend pre-reduces with the send)."""
+    here either way (the NVSHMEM backend pre-reduces with the send). None: the handle's (given to dispatch)."""
+    if topk_weights is None:
+        topk_weights = handle.topk_weights
     if weights_at == "send":
         return combine_recv(geo, combine_send(geo, expert_y, handle, topk_weights), None)
     return combine_recv(geo, combine_send(geo, expert_y, handle, None), topk_weights)

@@ -37,12 +37,16 @@ class CombineHandle:
     status:     int32 [4], the first error dispatch found on this rank ({code, phase, detail, detail}; zeros if
         none). Dispatch records errors instead of raising them so that every rank finishes the round trip; the
         combine that completes it raises (see errors.py).
+    topk_weights: float32 [max_tokens, K], the weights given to dispatch, or None. With them combine takes no
+        weights of its own; on the NVSHMEM backend's NVLink path they travelled with the tokens' ids, so the
+        pre-reduced combine_send does not exchange them.
     """
 
     row_origin: Array
     topk_ids: Array
     num_tokens: Array
     status: Array
+    topk_weights: Array | None = None
 
 
 @pytree_dataclass

@@ -53,7 +53,7 @@ def test_quick_bench_runs_and_writes_the_record(quick_run):
     for key in ("date", "commit", "device", "world", "command", "jax", "rows"):
         assert key in record, key
     assert record["world"] == 8 and record["device"] == "8x cpu"
-    assert "--quick" in record["command"] and record["jax"] == jax.__version__
+    assert "--quick" in record["command"] and record["jax"] == jax.__version__ and record["weights_to"] == "combine"
     rows = record["rows"]
     assert {(r["config"], r["tokens"], r["backend"]) for r in rows} == {
         (c, 8, b) for c in ("r1", "v2lite") for b in ("reference", "padded", "ragged")}
@@ -237,7 +237,7 @@ def test_round_trip_chain_keeps_every_round_trip(backend, make_mesh):
         def body(x, scales, ids, w):
             expert_y = y = None
             for _ in range(steps):
-                rows, row_scales, aux = impl.dispatch(x, scales, ids)
+                rows, row_scales, aux = impl.dispatch(x, scales, ids, w)
                 if expert_y is None:
                     expert_y = bench.expert_stand_in(cfg, rows, row_scales)
                 else:
@@ -248,6 +248,25 @@ def test_round_trip_chain_keeps_every_round_trip(backend, make_mesh):
         return body
 
     assert "XLA merged chained steps" in bench.merged_steps(compiled(barrier_chain), n, 2)
+
+
+def test_weights_to_dispatch_gives_the_same_round_trips(make_mesh):
+    """--weights-to dispatch: the MoEComm backends get the weights with dispatch; the chain's result is the same."""
+    from jax_moe_comm import bench
+
+    mesh = make_mesh(2)
+    cfg, T = bench.QUICK_CONFIGS["r1"], 8
+    rng = bench.seeded(2)
+    x, scales = bench.make_tokens(rng, cfg, 2 * T)
+    ids, w = bench.make_routing(rng, cfg, 2 * T)
+    args = tuple(bench.to_global(a, mesh) for a in (x, scales, ids, w))
+    ys = []
+    for weights_to in ("combine", "dispatch"):
+        impl = bench.make_impl("reference", cfg, T, mesh, check_errors=False, weights_to=weights_to)
+        ys.append(np.asarray(bench.lower_chain(bench.round_trip_chain(impl, cfg, 2), mesh, args).compile()(*args)[1],
+                             np.float32))
+    np.testing.assert_array_equal(ys[1], ys[0])
+    assert bench.parse_args(["--weights-to", "dispatch"]).weights_to == "dispatch"
 
 
 def test_floor_backend_needs_the_nvshmem_backend(make_mesh):

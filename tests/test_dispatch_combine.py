@@ -316,8 +316,65 @@ def test_weights_go_to_exactly_one_combine_half():
     x = jnp.zeros((comm.world * T, H), cfg.dtype)
     ids = jnp.zeros((comm.world * T, K), jnp.int32) - 1
     for at_send, at_recv in ((w, w), (None, None)):
-        with pytest.raises(ValueError, match="topk_weights must be given to exactly one of combine_send and"):
+        with pytest.raises(ValueError, match="topk_weights must be given to exactly one of dispatch, combine_send"):
             jax.eval_shape(per_shard(at_send, at_recv), x, ids)
+
+
+@functools.cache
+def weights_to_dispatch_fn(case: Case, split: bool):
+    """fused_fn's inputs and outputs, the weights given to dispatch (into the handle) instead of combine; through
+    the fused calls or the four halves."""
+    def per_shard(comm, x, ids, scales, n, expert_y, w):
+        if split:
+            d = comm.dispatch_recv(comm.dispatch_send(x, ids, scales, n.reshape(()), topk_weights=w))
+            return d, comm.combine_recv(comm.combine_send(expert_y, d.handle))
+        d = comm.dispatch(x, ids, scales, n.reshape(()), topk_weights=w)
+        return d, comm.combine(expert_y, d.handle)
+    return _shard_mapped(case, per_shard)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_weights_given_to_dispatch_equal_weights_given_to_combine(case, rng, seed, routing):
+    """Weights given to dispatch land in the handle and give combine's result bit for bit, fused or split."""
+    problem = make_problem(rng, seed, case, draw_routing(routing, case, "dropped_slots"))
+    args, (d_want, y_want) = run_and_check(fused_fn(case), problem, rng, comm_for(case).capacity)
+    for split in (False, True):
+        d, y = weights_to_dispatch_fn(case, split)(*args)
+        assert_bits_equal(d.handle.topk_weights, args[-1], "handle.topk_weights", seed)
+        d = dataclasses.replace(d, handle=dataclasses.replace(d.handle, topk_weights=None))
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((d_want, y_want)), jax.tree.leaves((d, y)),
+                                strict=True):
+            assert_bits_equal(b, a, f"weights to dispatch (split={split}) vs to combine {jax.tree_util.keystr(path)}",
+                              seed)
+
+
+def test_weights_given_to_dispatch_are_the_only_ones():
+    """With weights in the handle, combine and combine_send refuse more; without, combine needs them."""
+    case = CASES[0]
+    comm = comm_for(case)
+    cfg = comm.cfg
+    T, K, H = cfg.max_tokens, cfg.experts_per_token, cfg.hidden
+    w = jnp.ones((T, K), jnp.float32)
+
+    def per_shard(to_dispatch, to_combine, split):
+        def f(x, ids):
+            d = comm.dispatch(x, ids, topk_weights=to_dispatch)
+            expert_y = d.expert_x.astype(cfg.out_dtype)
+            if split:
+                return comm.combine_recv(comm.combine_send(expert_y, d.handle, to_combine))
+            return comm.combine(expert_y, d.handle, to_combine)
+        return jax.shard_map(f, mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep"))
+
+    x = jnp.zeros((comm.world * T, H), cfg.dtype)
+    ids = jnp.zeros((comm.world * T, K), jnp.int32) - 1
+    with pytest.raises(ValueError, match=r"topk_weights went with dispatch .*: give none to combine(?!_send)"):
+        jax.eval_shape(per_shard(w, w, False), x, ids)
+    with pytest.raises(ValueError, match="topk_weights went with dispatch .*: give none to combine_send"):
+        jax.eval_shape(per_shard(w, w, True), x, ids)
+    with pytest.raises(ValueError, match="topk_weights is required: give them to combine or to dispatch"):
+        jax.eval_shape(per_shard(None, None, False), x, ids)
+    with pytest.raises(ValueError, match="topk_weights must have dtype float32"):
+        jax.eval_shape(per_shard(w.astype(jnp.bfloat16), None, False), x, ids)
 
 
 @pytest.mark.parametrize("threshold, weights_at", [(None, ["recv", "recv", "send"]), ("1", ["send"] * 3),

@@ -32,6 +32,7 @@ class GradCase:
     align: int = 1
     replicas: str = "mean"  # how the loss reads a DP group's replicas: "mean" of all, or "first" only
     custom_vjp: bool = False  # the rules of autodiff.py (the NVSHMEM backend's gradients) instead of plain AD
+    weights_to: str = "combine"  # where the loss gives the top-k weights: "combine", or "dispatch" (via the handle)
 
     @property
     def num_groups(self) -> int:
@@ -40,7 +41,8 @@ class GradCase:
     @property
     def id(self) -> str:
         return (f"w{self.world}-dp{self.dp_size}-E{self.num_experts}-K{self.k}-align{self.align}"
-                f"-{self.replicas}" + ("-custom_vjp" if self.custom_vjp else ""))
+                f"-{self.replicas}" + ("-custom_vjp" if self.custom_vjp else "")
+                + ("-weights_to_dispatch" if self.weights_to == "dispatch" else ""))
 
 
 GRAD_CASES = [
@@ -54,6 +56,9 @@ GRAD_CASES = [
     GradCase(4, 2, 8, 3, align=4, custom_vjp=True),
     GradCase(4, 2, 8, 3, align=4, replicas="first", custom_vjp=True),
     GradCase(8, 4, 8, 2, custom_vjp=True),
+    GradCase(4, 1, 8, 2, weights_to="dispatch"),
+    GradCase(4, 1, 8, 3, align=4, custom_vjp=True, weights_to="dispatch"),
+    GradCase(4, 2, 8, 3, align=4, custom_vjp=True, weights_to="dispatch"),
 ]
 
 
@@ -65,6 +70,10 @@ def ep_loss_and_grad(case: GradCase):
     comm = MoEComm(cfg, ep_mesh(case.world), backend="reference", custom_vjp=case.custom_vjp)
 
     def per_shard(x, ids, num_tokens, weights, w_local):
+        if case.weights_to == "dispatch":
+            d = comm.dispatch(x, ids, num_tokens=num_tokens.reshape(()), topk_weights=weights)
+            expert_y = jax.lax.ragged_dot(d.expert_x, w_local, d.group_sizes)
+            return comm.combine(expert_y, d.handle)
         d = comm.dispatch(x, ids, num_tokens=num_tokens.reshape(()))
         expert_y = jax.lax.ragged_dot(d.expert_x, w_local, d.group_sizes)
         return comm.combine(expert_y, d.handle, weights)

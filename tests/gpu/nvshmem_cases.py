@@ -66,7 +66,10 @@ def gather(tree):
     return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
 
 
-def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full"):
+def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_to="combine"):
+    """Both backends on the same round trip (nvshmem's split halves too): layout bit for bit, combine within the
+    dtype's tolerance. weights_to="dispatch": the weights go with dispatch (into the handle) and combine takes none;
+    the NVSHMEM result then also equals, bit for bit, its result with the weights given to combine."""
     world = mesh.shape["ep"]
     rng = np.random.default_rng(seed)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
@@ -87,15 +90,28 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full"):
     for backend in ("nvshmem", "reference"):
         comm = jmc.MoEComm(cfg, mesh, "ep", backend=backend)
 
-        @jax.jit
-        def round_trip(x, ids, scales, n, w, comm=comm):
-            d = jmc.dispatch(comm, x, ids, scales, n)
-            y = (d.expert_x.astype(jnp.float32) * 1.5).astype(cfg.out_dtype)  # stand-in expert
-            return d, jmc.combine(comm, y, d.handle, w)
+        def round_trip(comm, to):
+            def f(x, ids, scales, n, w):
+                d = jmc.dispatch(comm, x, ids, scales, n, w if to == "dispatch" else None)
+                y = (d.expert_x.astype(jnp.float32) * 1.5).astype(cfg.out_dtype)  # stand-in expert
+                return d, jmc.combine(comm, y, d.handle, None if to == "dispatch" else w)
+            return jax.jit(f)
 
-        d, y = round_trip(xg, ids_g, scales, n_g, w_g)
+        d, y = round_trip(comm, weights_to)(xg, ids_g, scales, n_g, w_g)
         results[backend] = gather((d, y))
-        if backend == "nvshmem":  # the split halves, weights on either side, against the fused calls
+        if backend == "nvshmem" and weights_to == "dispatch":
+            y_there = gather(round_trip(comm, "combine")(xg, ids_g, scales, n_g, w_g)[1])
+            assert np.array_equal(results[backend][1].view(np.uint8), y_there.view(np.uint8)), \
+                "weights given to dispatch: a result other than with the weights given to combine"
+            def split(at, comm=comm):
+                f = jax.shard_map(lambda x, ids, sc, n, w: split_halves(comm, x, ids, sc, n, w, at), mesh=mesh,
+                                  in_specs=P("ep"), out_specs=P("ep"))
+                return gather(jax.jit(f)(xg, ids_g, scales, n_g, w_g))
+
+            # Weights from dispatch_send count as given to combine_send: pre-reduced on NVLink.
+            assert np.array_equal(split("dispatch").view(np.uint8), split("send").view(np.uint8)), \
+                "weights given to dispatch_send: a result other than with the weights given to combine_send"
+        elif backend == "nvshmem":  # the split halves, weights on either side, against the fused calls
             for weights_at in ("send", "recv"):
                 split = jax.jit(jax.shard_map(
                     lambda x, ids, sc, n, w, comm=comm, at=weights_at: split_halves(comm, x, ids, sc, n, w, at),
@@ -129,14 +145,15 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full"):
 
 def split_halves(comm, x, ids, scales, n, w, weights_at="send"):
     """dispatch_send; independent compute; dispatch_recv; combine_send; independent compute; combine_recv. The
-    weights go to combine_send (pre-reduced on NVLink) or to combine_recv (rows per slot)."""
-    p = comm.dispatch_send(x, ids, scales, n.reshape(()))
+    weights go to combine_send (pre-reduced on NVLink), to combine_recv (rows per slot) or to dispatch_send (then as
+    to combine_send)."""
+    p = comm.dispatch_send(x, ids, scales, n.reshape(()), w if weights_at == "dispatch" else None)
     busy = jnp.tanh(x.astype(jnp.float32) @ x.astype(jnp.float32).T).sum()  # overlaps the transfer
     d = comm.dispatch_recv(p)
     y = (d.expert_x.astype(jnp.float32) * 1.5).astype(comm.cfg.out_dtype)
     q = comm.combine_send(y, d.handle, w if weights_at == "send" else None)
     busy = busy + jnp.sin(busy)
-    out = comm.combine_recv(q, None if weights_at == "send" else w)
+    out = comm.combine_recv(q, w if weights_at == "recv" else None)
     return out + (busy * 0).astype(out.dtype)
 
 
@@ -148,6 +165,16 @@ def staged_puts(case):
         return case() + " (staged puts)"
     finally:
         del os.environ["JAX_MOE_COMM_STAGED"]
+
+
+def prereduced(case):
+    """Runs `case` with MoEComms created under JAX_MOE_COMM_PREREDUCE_MIN_TOKENS=1: the fused combine pre-reduces
+    on the expert side at any token count (by itself from 64 tokens per rank)."""
+    os.environ["JAX_MOE_COMM_PREREDUCE_MIN_TOKENS"] = "1"
+    try:
+        return case() + " (pre-reduced)"
+    finally:
+        del os.environ["JAX_MOE_COMM_PREREDUCE_MIN_TOKENS"]
 
 
 def ids_first(case):
@@ -561,6 +588,19 @@ def main() -> int:
             mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32), num_tokens="zero"))),
         ("ids first: align 8, bf16 H 100", lambda s: ids_first(lambda: run_case(
             mesh, s, "", C(8, 2, 100, 16, dtype=bf16, align=8)))),
+        ("weights to dispatch: fp8+scales K8", lambda s: prereduced(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128), weights_to="dispatch"))),
+        ("weights to dispatch: rows per slot", lambda s: run_case(
+            mesh, s, "", C(8, 2, 64, 16, dtype=bf16), weights_to="dispatch")),
+        ("weights to dispatch: -1 slots, num_tokens partial", lambda s: prereduced(lambda: run_case(
+            mesh, s, "", C(8, 4, 64, 16, dtype=f32, out_dtype=f32), kind="dropped", num_tokens="partial",
+            weights_to="dispatch"))),
+        ("weights to dispatch: dp_size 2", lambda s: prereduced(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32, dp_size=2), kind="uniform", weights_to="dispatch"))),
+        ("weights to dispatch: ids first", lambda s: prereduced(lambda: ids_first(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128), weights_to="dispatch")))),
+        ("weights to dispatch: staged puts", lambda s: prereduced(lambda: staged_puts(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 16, dtype=bf16), weights_to="dispatch")))),
         ("scan over 4 layers", lambda s: case_scan_layers(mesh, s)),
         ("200 repeated calls", lambda s: case_repeat(mesh, s)),
         ("grad: custom VJP vs plain AD", lambda s: case_grad(mesh, s)),
