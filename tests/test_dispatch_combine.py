@@ -292,19 +292,29 @@ def test_split_halves_equal_fused_calls_bit_for_bit(case, rng, seed, routing):
     problem = make_problem(rng, seed, case, draw_routing(routing, case, "dropped_slots"))
     args, fused = run_and_check(fused_fn(case), problem, rng, comm_for(case).capacity)
     for weights_at in ("recv", "send"):
-        split = split_fn(case, weights_at)(*args)
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(fused), jax.tree.leaves(split), strict=True):
-            assert_bits_equal(b, a, f"split (weights to combine_{weights_at}) vs fused {jax.tree_util.keystr(path)}",
-                              seed)
+        assert_trees_bits_equal(split_fn(case, weights_at)(*args), fused,
+                                f"split (weights to combine_{weights_at}) vs fused", seed)
+
+
+def assert_trees_bits_equal(actual, expected, what: str, seed: int) -> None:
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(actual), strict=True):
+        assert_bits_equal(b, a, f"{what} {jax.tree_util.keystr(path)}", seed)
+
+
+def small_problem():
+    """CASES[0]'s MoEComm, unit weights, and zero inputs with every slot -1 (for argument checks)."""
+    comm = comm_for(CASES[0])
+    cfg = comm.cfg
+    T, K, H = cfg.max_tokens, cfg.experts_per_token, cfg.hidden
+    x = jnp.zeros((comm.world * T, H), cfg.dtype)
+    ids = jnp.zeros((comm.world * T, K), jnp.int32) - 1
+    return comm, jnp.ones((T, K), jnp.float32), x, ids
 
 
 def test_weights_go_to_exactly_one_combine_half():
     """combine_recv refuses the weights when combine_send had them, and needs them when it did not."""
-    case = CASES[0]
-    comm = comm_for(case)
+    comm, w, x, ids = small_problem()
     cfg = comm.cfg
-    T, K, H = cfg.max_tokens, cfg.experts_per_token, cfg.hidden
-    w = jnp.ones((T, K), jnp.float32)
 
     def per_shard(weights_at_send, weights_at_recv):
         def f(x, ids):
@@ -313,8 +323,6 @@ def test_weights_go_to_exactly_one_combine_half():
             return comm.combine_recv(q, weights_at_recv)
         return jax.shard_map(f, mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep"))
 
-    x = jnp.zeros((comm.world * T, H), cfg.dtype)
-    ids = jnp.zeros((comm.world * T, K), jnp.int32) - 1
     for at_send, at_recv in ((w, w), (None, None)):
         with pytest.raises(ValueError, match="topk_weights must be given to exactly one of dispatch, combine_send"):
             jax.eval_shape(per_shard(at_send, at_recv), x, ids)
@@ -342,19 +350,13 @@ def test_weights_given_to_dispatch_equal_weights_given_to_combine(case, rng, see
         d, y = weights_to_dispatch_fn(case, split)(*args)
         assert_bits_equal(d.handle.topk_weights, args[-1], "handle.topk_weights", seed)
         d = dataclasses.replace(d, handle=dataclasses.replace(d.handle, topk_weights=None))
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((d_want, y_want)), jax.tree.leaves((d, y)),
-                                strict=True):
-            assert_bits_equal(b, a, f"weights to dispatch (split={split}) vs to combine {jax.tree_util.keystr(path)}",
-                              seed)
+        assert_trees_bits_equal((d, y), (d_want, y_want), f"weights to dispatch (split={split}) vs to combine", seed)
 
 
 def test_weights_given_to_dispatch_are_the_only_ones():
     """With weights in the handle, combine and combine_send refuse more; without, combine needs them."""
-    case = CASES[0]
-    comm = comm_for(case)
+    comm, w, x, ids = small_problem()
     cfg = comm.cfg
-    T, K, H = cfg.max_tokens, cfg.experts_per_token, cfg.hidden
-    w = jnp.ones((T, K), jnp.float32)
 
     def per_shard(to_dispatch, to_combine, split):
         def f(x, ids):
@@ -365,8 +367,6 @@ def test_weights_given_to_dispatch_are_the_only_ones():
             return comm.combine(expert_y, d.handle, to_combine)
         return jax.shard_map(f, mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep"))
 
-    x = jnp.zeros((comm.world * T, H), cfg.dtype)
-    ids = jnp.zeros((comm.world * T, K), jnp.int32) - 1
     with pytest.raises(ValueError, match=r"topk_weights went with dispatch .*: give none to combine(?!_send)"):
         jax.eval_shape(per_shard(w, w, False), x, ids)
     with pytest.raises(ValueError, match="topk_weights went with dispatch .*: give none to combine_send"):
