@@ -98,8 +98,8 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
     return min(max(token_count(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src)), 0),
                s.slots_per_source);
   };
-  const int my_tokens = a.weights_sent ? 0 : tokens_of(s.rank);
-  for (int i = gwarp; i < my_tokens; i += nwarps) {
+  const int publish = a.weights_sent ? 0 : tokens_of(s.rank);  // our tokens whose weights go out here
+  for (int i = gwarp; i < publish; i += nwarps) {
     const float w = lane < K ? a.topk_weights[static_cast<size_t>(replica + i * s.dp_size) * K + lane] : 0.f;
     const size_t at = (static_cast<size_t>(s.rank) * s.slots_per_source + i) * K + lane;
     for (int d = 0; d < s.world; ++d)
