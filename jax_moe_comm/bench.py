@@ -8,7 +8,7 @@ Backends: ``nvshmem`` (MoEComm, CUDA kernels; one GPU per process, so through th
 (MoEComm, pure-JAX collectives), ``ragged`` (``baselines.ragged_*``: MaxText-style ``ragged_all_to_all``; not
 implemented by XLA:CPU), ``padded`` (``baselines.padded_*``: ``all_to_all`` at worst-case capacity) and ``floor``
 (the protocol's floor on NVLink, ffi/probe.cu: per direction one kernel that moves the T rows to the peer, fences,
-signals and waits, with no routing and no layout; its result is not checked; not at 1 token per rank). Every
+signals and waits, with no routing and no layout; its result is not checked). Every
 backend runs per shard inside ``jax.shard_map`` over the mesh axis "ep" of all devices, with the same inputs.
 
 Configs (per rank: ``tokens`` rows of x; expert stand-in: dequantize, multiply by 2, cast to the combine dtype):
@@ -246,14 +246,6 @@ class BaselineImpl(Impl):
         return self._combine(expert_y, aux, w, axis_name=AXIS, out_dtype=self.cfg.combine_dtype)
 
 
-# XLA:GPU (jax 0.11.2, 2xH200) died with SIGSEGV compiling the floor's chain at one token per rank, with or without
-# command buffers or dynamic-slice fusion, compiled alone or in threads, in any payload dtype; the probe alone at
-# those shapes compiled, and the chain at 128 and 4096 tokens did (benchmarks/NOTES.md, entry 25). A crash ends
-# every process, so that row is refused instead. The suspected cause, a scatter with an empty index constant
-# (_set_leading_rows), is gone from the chain; the refusal stays until a GPU run compiles the chain there.
-ONE_TOKEN_FLOOR = "not at 1 token per rank: XLA:GPU crashed compiling this chain there (benchmarks/NOTES.md, 25)"
-
-
 class FloorImpl(Impl):
     """The protocol's floor on this machine (ffi/probe.cu): each direction one kernel that stores the T rows (x,
     then the expert outputs) into the peer, fences, signals and waits, and copies what landed into its result, with
@@ -264,8 +256,6 @@ class FloorImpl(Impl):
     halves = False
 
     def __init__(self, cfg: BenchConfig, tokens: int, mesh: Mesh) -> None:
-        if tokens == 1:  # refused before any collective step, on every process alike
-            raise RuntimeError(ONE_TOKEN_FLOOR)
         self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend="nvshmem", check_errors=False)
         plan = self.comm._plan
         if not plan.p2p:
