@@ -16,7 +16,9 @@
 #                               compute-sanitizer (SANITIZE_TOOLS, default "memcheck"), XLA:GPU alone under memcheck,
 #                               then those cases under memcheck (NVLink path, then
 #                               staged path; SANITIZE_STAGED="0" the first alone; SANITIZE_BOOTSTRAP=extension;
-#                               SANITIZE_STARTUP=1 start-up alone first; SANITIZE_XLA_FLAGS for XLA under it)
+#                               SANITIZE_STARTUP=1 start-up alone first; SANITIZE_XLA_FLAGS for XLA under it;
+#                               SANITIZE_HARNESS_STAGED="0" the harness on the NVLink path alone; SANITIZE_CASES=0
+#                               the harness alone, without XLA)
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
@@ -170,7 +172,7 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
   # each of SANITIZE_TOOLS (default memcheck), on both send paths. NVSHMEM without its NCCL teams: at init NCCL
   # queries kernels built for other GPUs (cudaFuncGetAttributes -> "no kernel image"), 24 API errors per rank that
   # are NCCL's own; we use no NVSHMEM collective but barrier_all.
-  for staged in 0 1; do
+  for staged in ${SANITIZE_HARNESS_STAGED:-0 1}; do
     for tool in none ${SANITIZE_TOOLS:-memcheck}; do
       step "kernel harness (JAX_MOE_COMM_STAGED=$staged, sanitizer: $tool)"
       log="$LOGS/harness_staged${staged}_$tool.log"
@@ -186,6 +188,8 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
     done
   done
   unset JAX_MOE_COMM_STAGED
+fi
+if [ -n "${SANITIZE:-}" ] && [ "${SANITIZE_CASES:-1}" != 0 ]; then
   # XLA:GPU alone under memcheck (one GPU, no jax_moe_comm imported): tells whether the XLA cases below can run
   # under the sanitizer at all, whatever our kernels do.
   step "compute-sanitizer memcheck: XLA:GPU alone (a jnp sum on one GPU, no jax_moe_comm)"
