@@ -262,10 +262,12 @@ def compare_grads(grads: dict, names: tuple[str, ...], bound: float) -> str:
     return f"grads rel err <= {worst:.1e}"
 
 
-def case_grad(mesh, seed, dp_size=1):
+def case_grad(mesh, seed, dp_size=1, linear_loss=False):
     """jax.grad through dispatch -> expert -> combine: the NVSHMEM backend's custom VJP equals plain AD on the
     reference backend (x, topk_weights and expert weights). With dp_size > 1 the replicas of a group hold the same
-    tokens and the loss reads every replica alike, so each replica's plain-AD gradients are the custom VJP's."""
+    tokens and the loss reads every replica alike, so each replica's plain-AD gradients are the custom VJP's.
+    linear_loss: sum(y), so dy is all ones and no data of the forward round trip reaches the backward's dispatch on
+    the same MoEComm: only the library's own tie can order it after the forward's combine."""
     world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32, dp_size=dp_size)
     rng = np.random.default_rng(seed)
@@ -284,7 +286,9 @@ def case_grad(mesh, seed, dp_size=1):
             return comm.combine(jax.lax.ragged_dot(d.expert_x, ew.reshape(L, 64, 64), d.group_sizes), d.handle, w)
 
         mapped = jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-        loss = jax.jit(jax.grad(lambda x, w, ew, ids, f=mapped: jnp.sum(f(x, ids, w, ew) ** 2), argnums=(0, 1, 2)))
+        power = 1 if linear_loss else 2
+        loss = jax.jit(jax.grad(lambda x, w, ew, ids, f=mapped, p=power: jnp.sum(f(x, ids, w, ew) ** p),
+                                argnums=(0, 1, 2)))
         grads[backend] = gather(loss(x, w, expert_w, ids))  # global arrays are arguments, never closed over
         comm.close()
     return compare_grads(grads, ("x", "topk_weights", "expert weights"), 1e-4)
@@ -605,6 +609,7 @@ def main() -> int:
         ("200 repeated calls", lambda s: case_repeat(mesh, s)),
         ("grad: custom VJP vs plain AD", lambda s: case_grad(mesh, s)),
         ("grad: dp_size 2", lambda s: case_grad(mesh, s, dp_size=2)),
+        ("grad: linear loss (dy independent of y)", lambda s: case_grad(mesh, s, linear_loss=True)),
         ("grad: experts under remat", lambda s: case_grad_composition(mesh, s, "remat")),
         ("grad: scan over layers", lambda s: case_grad_composition(mesh, s, "scan")),
         ("grad: two MoEComms in one step", lambda s: case_grad_composition(mesh, s, "two instances")),
