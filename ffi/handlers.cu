@@ -28,10 +28,12 @@ int dtype_code(ffi::DataType t) {  // shared with combine_recv.cu
 }
 
 // topk_weights [T, K] go with the ids rows (given to dispatch; the NVLink path); an empty array: none.
+// `after` is never read: an operand XLA must produce first, so the call runs after it (see design.md, "FFI and
+// ordering"; an optimization barrier would not hold, XLA drops those).
 ffi::Error DispatchSend(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
                         ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::S32> num_tokens,
-                        ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                        int64_t context) {
+                        ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*after*/,
+                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
   DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                      status->typed_data(), topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
   return launched(launch_dispatch_send(context_of(context), a, stream), "dispatch_send");
@@ -69,7 +71,7 @@ ffi::Error CombineRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status*
 
 // The fused dispatch (NVLink path): dispatch_send's arguments, dispatch_recv's results and both statuses.
 ffi::Error Dispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> topk_ids,
-                    ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::F32> topk_weights,
+                    ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*after*/,
                     ffi::Result<ffi::AnyBuffer> expert_x,
                     ffi::Result<ffi::Buffer<ffi::F32>> expert_scales, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                     ffi::Result<ffi::Buffer<ffi::S32>> row_origin, ffi::Result<ffi::Buffer<ffi::S32>> send_status,
@@ -118,6 +120,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("context"));
 
@@ -164,6 +167,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch, jmc::Dispatch,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()

@@ -103,17 +103,16 @@ def _combine_bwd(comm, residuals, dy):
     backward = _backward_comm(comm)
     expert_y, handle, given_weights, done = residuals
     topk_weights = handle.topk_weights if given_weights is None else given_weights
-    # The backward dispatch reuses this MoEComm's buffers: it must not start before the forward round trip has
-    # ended, and dy need not depend on y (e.g. a linear loss), so tie it to the forward's output explicitly.
-    dy, _ = jax.lax.optimization_barrier((dy, done))
     T, K, dp = comm.cfg.max_tokens, comm.cfg.experts_per_token, comm.cfg.dp_size
     rank = jax.lax.axis_index(comm.axis_name)
     if dp > 1:  # every replica of a DP group combined the same rows: their dy add up (one all_gather, T·H a rank)
         all_dy = jax.lax.all_gather(dy.astype(jnp.float32), comm.axis_name)  # [world, T, H]
         dy = all_dy.reshape(comm.world // dp, dp, T, -1).sum(axis=1)[rank // dp].astype(dy.dtype)
-    # dy[t] to every row that token t filled: the forward's routing, hence the forward's layout.
+    # dy[t] to every row that token t filled: the forward's routing, hence the forward's layout. This dispatch
+    # reuses this MoEComm's buffers, so it must not start before the forward round trip has ended, and dy need not
+    # depend on y (a linear loss): `after` makes the forward's output its operand.
     expert_dy = backward._dispatch_primal(dy.astype(backward.cfg.dtype), handle.topk_ids, None,
-                                          handle.num_tokens).expert_x
+                                          handle.num_tokens, after=done).expert_x
     expert_dy = expert_dy.astype(jnp.float32)
     origin = handle.row_origin
     has_token = origin >= 0

@@ -209,8 +209,9 @@ class MoEComm:
             return autodiff.dispatch(self, x, topk_ids, scales, num_tokens, topk_weights)
         return self._dispatch_primal(x, topk_ids, scales, num_tokens, topk_weights)
 
-    def _dispatch_primal(self, x, topk_ids, scales, num_tokens, topk_weights=None) -> Dispatched:
-        return self._impl.dispatch(self._plan, x, topk_ids, scales, num_tokens, topk_weights)
+    def _dispatch_primal(self, x, topk_ids, scales, num_tokens, topk_weights=None, after=None) -> Dispatched:
+        """after: an array this dispatch must run after (the backward's dispatch of dy: the forward's output)."""
+        return self._impl.dispatch(self._plan, x, topk_ids, scales, num_tokens, topk_weights, after)
 
     def combine_send(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None):
         """Starts sending expert outputs [capacity, H] back to their tokens' ranks (bf16/fp16/fp32, no wider

@@ -197,10 +197,18 @@ def _rank(plan: Plan) -> Array:
 
 
 def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
-                  topk_weights: Array | None = None) -> PendingDispatch:
+                  topk_weights: Array | None = None, after: Array | None = None) -> PendingDispatch:
+    """after: an array the call must run after (its operand, never read; see _after_arg)."""
     status = _call("dispatch_send", _STATUS, plan, x, _scales_arg(plan, scales), topk_ids, num_tokens,
-                   _sent_weights_arg(plan, topk_weights))
+                   _sent_weights_arg(plan, topk_weights), _after_arg(after))
     return PendingDispatch(status, topk_ids, num_tokens, topk_weights)
+
+
+def _after_arg(after: Array | None) -> Array:
+    """An operand that orders a dispatch after the call that produced it: XLA schedules a custom call after its
+    operands, and keeps every operand (the kernel never reads it). An optimization barrier would not do: XLA removes
+    barriers early, and with them any tie between values that no data joins (design.md, "FFI and ordering")."""
+    return jnp.zeros((0,), jnp.int32) if after is None else after
 
 
 def _sent_weights_arg(plan: Plan, topk_weights: Array | None) -> Array:
@@ -246,13 +254,14 @@ def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
 
 
 def dispatch(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
-             topk_weights: Array | None = None) -> Dispatched:
-    """The fused call: one kernel on the NVLink path (Plan.fused), else dispatch_send then dispatch_recv."""
+             topk_weights: Array | None = None, after: Array | None = None) -> Dispatched:
+    """The fused call: one kernel on the NVLink path (Plan.fused), else dispatch_send then dispatch_recv. after: an
+    array the call must run after (see _after_arg)."""
     if not plan.fused:
-        return dispatch_recv(plan, dispatch_send(plan, x, topk_ids, scales, num_tokens, topk_weights))
+        return dispatch_recv(plan, dispatch_send(plan, x, topk_ids, scales, num_tokens, topk_weights, after))
     *received, send_status, status = _call("dispatch", _received(plan) + (_STATUS, _STATUS), plan, x,
                                            _scales_arg(plan, scales), topk_ids, num_tokens,
-                                           _sent_weights_arg(plan, topk_weights))
+                                           _sent_weights_arg(plan, topk_weights), _after_arg(after))
     return _dispatched(plan, received, topk_ids, num_tokens, topk_weights, send_status, status)
 
 

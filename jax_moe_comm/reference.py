@@ -201,8 +201,9 @@ def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array | None) -
 
 
 def dispatch(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
-             topk_weights: Array | None = None) -> Dispatched:
-    """The fused call (the NVSHMEM backend runs it as one kernel): dispatch_recv(dispatch_send(...))."""
+             topk_weights: Array | None = None, after: Array | None = None) -> Dispatched:
+    """The fused call (the NVSHMEM backend runs it as one kernel): dispatch_recv(dispatch_send(...)). `after` orders
+    the NVSHMEM backend's call; here every step is a pure function of its inputs, with no buffers to reuse."""
     return dispatch_recv(geo, dispatch_send(geo, x, topk_ids, scales, num_tokens, topk_weights))
 
 
