@@ -273,8 +273,9 @@ cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, co
                             cudaStream_t stream);
 cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, const CombineRecvArgs& recv,
                            cudaStream_t stream);
-// The bench's floor (probe.cu, NVLink path only): bytes of x to the next rank, the previous rank's into out.
+// The bench's floor (probe.cu, NVLink path only): bytes of x to the next rank, the previous rank's into out;
+// `flagged`: in words that carry their own validity instead of a fence and a signal.
 cudaError_t launch_probe(const Context& ctx, const void* x, void* out, long long bytes, int32_t* status,
-                         cudaStream_t stream);
+                         bool flagged, cudaStream_t stream);
 
 }  // namespace jmc

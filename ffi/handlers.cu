@@ -101,11 +101,12 @@ ffi::Error Combine(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi
   return launched(launch_combine(context_of(context), send, recv, stream), "combine");
 }
 
-// The bench's floor (probe.cu): x's bytes to the next rank; out gets the previous rank's.
+// The bench's floor (probe.cu): x's bytes to the next rank; out gets the previous rank's. `flagged`: in words that
+// carry their own validity (no fence, no signal).
 ffi::Error Probe(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                 ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
+                 ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context, int64_t flagged) {
   return launched(launch_probe(context_of(context), x.untyped_data(), out->untyped_data(),
-                               static_cast<long long>(x.size_bytes()), status->typed_data(), stream),
+                               static_cast<long long>(x.size_bytes()), status->typed_data(), flagged != 0, stream),
                   "probe");
 }
 
@@ -197,4 +198,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_probe, jmc::Probe,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("context"));
+                                  .Attr<int64_t>("context")
+                                  .Attr<int64_t>("flagged"));

@@ -40,23 +40,74 @@ __global__ void probe_kernel(Context ctx, const int4* x, int4* out, long long wo
   }
 }
 
+// The floor with flagged words (`flagged`): what a low-latency protocol would pay instead of the fence, the
+// last-block count, the signal and its wait. Each 8-byte word carries 4 bytes of x and this call's epoch, stored
+// as one element of a 16-byte vector store (each element of a vector access is single-copy atomic on its own), so
+// the receiver polls the words themselves: a word whose flag has reached the epoch holds its data. Twice the bytes
+// on the link. It lands in the combine slots (K times the partial rows' room). A flag past the epoch is the next
+// call's word (the probe does not wait before reusing the peer's region, as above): taken too, as landed.
+__device__ inline uint64_t flagged(uint32_t data, uint32_t epoch) {
+  return static_cast<uint64_t>(epoch) << 32 | data;
+}
+__device__ inline void store_pair(ulonglong2* p, uint64_t a, uint64_t b) {
+  asm volatile("st.volatile.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+__device__ inline ulonglong2 load_pair(const ulonglong2* p) {
+  ulonglong2 w;
+  asm volatile("ld.volatile.v2.u64 {%0, %1}, [%2];" : "=l"(w.x), "=l"(w.y) : "l"(p) : "memory");
+  return w;
+}
+
+__global__ void probe_flagged_kernel(Context ctx, const uint2* x, uint2* out, long long pairs, int32_t* status) {
+  const Sizes& s = ctx.s;
+  if (blockIdx.x == 0 && threadIdx.x < kStatusWords) status[threadIdx.x] = 0;
+  const int next = (s.rank + 1) % s.world, prev = (s.rank + s.world - 1) % s.world;
+  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(ctx.probe_epoch) + 1;
+  auto* landing = reinterpret_cast<ulonglong2*>(ctx.combine_slots);  // one source: the previous rank
+  ulonglong2* to = peer_ptr(ctx, landing, next);
+  const long long first = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = first; i < pairs; i += stride) {
+    const uint2 v = x[i];
+    store_pair(to + i, flagged(v.x, epoch), flagged(v.y, epoch));
+  }
+  const uint64_t deadline = now_ns() + s.timeout_ns;
+  for (long long i = first; i < pairs; i += stride) {
+    ulonglong2 w = load_pair(landing + i);
+    while ((w.x >> 32) < epoch || (w.y >> 32) < epoch) {
+      if (now_ns() > deadline) {
+        report(status, kTimeout, kCombineRecv, prev, s.rank);
+        break;
+      }
+      w = load_pair(landing + i);
+    }
+    out[i] = make_uint2(static_cast<uint32_t>(w.x), static_cast<uint32_t>(w.y));
+  }
+  if (last_block_done(ctx.probe_blocks + 1) && threadIdx.x == 0) {  // every block has read the epoch
+    *ctx.probe_epoch = epoch;
+    ctx.probe_blocks[0] = ctx.probe_blocks[1] = 0;
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_probe(const Context& ctx, const void* x, void* out, long long bytes, int32_t* status,
-                         cudaStream_t stream) {
+                         bool flagged, cudaStream_t stream) {
   if (!ctx.p2p) return cudaErrorNotSupported;
-  if (bytes % 16 != 0 || bytes > static_cast<long long>(ctx.s.max_tokens) * ctx.s.combine_stride)
-    return cudaErrorInvalidValue;
-  int per_sm = 0;
-  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, probe_kernel, kThreads, 0);
+  const long long room = static_cast<long long>(ctx.s.max_tokens) * ctx.s.combine_stride *
+                         (flagged ? ctx.s.experts_per_token / 2 : 1);  // flagged: twice the bytes, in the slots
+  if (bytes % 16 != 0 || bytes > room) return cudaErrorInvalidValue;
+  void* kernel = flagged ? reinterpret_cast<void*>(probe_flagged_kernel) : reinterpret_cast<void*>(probe_kernel);
+  int per_sm = 0;  // cooperative: every block reads the epoch before the last one advances it
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   if (err != cudaSuccess) return err;
-  long long words = bytes / 16;
-  const int blocks = std::min(blocks_for(words, kThreads * 4, ctx.s.sm_count), std::max(per_sm, 1) * ctx.s.sm_count);
+  long long items = flagged ? bytes / 8 : bytes / 16;  // 8-byte pairs of words, or 16-byte words
+  const int blocks = std::min(blocks_for(items, kThreads * 4, ctx.s.sm_count), std::max(per_sm, 1) * ctx.s.sm_count);
   Context c = ctx;
-  auto* src = static_cast<const int4*>(x);
-  auto* dst = static_cast<int4*>(out);
-  void* params[] = {&c, &src, &dst, &words, &status};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(probe_kernel), blocks, kThreads, params, 0, stream);
+  const void* src = x;
+  void* dst = out;
+  void* params[] = {&c, &src, &dst, &items, &status};
+  return cudaLaunchCooperativeKernel(kernel, blocks, kThreads, params, 0, stream);
 }
 
 }  // namespace jmc

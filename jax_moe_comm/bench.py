@@ -8,7 +8,8 @@ Backends: ``nvshmem`` (MoEComm, CUDA kernels; one GPU per process, so through th
 (MoEComm, pure-JAX collectives), ``ragged`` (``baselines.ragged_*``: MaxText-style ``ragged_all_to_all``; not
 implemented by XLA:CPU), ``padded`` (``baselines.padded_*``: ``all_to_all`` at worst-case capacity) and ``floor``
 (the protocol's floor on NVLink, ffi/probe.cu: per direction one kernel that moves the T rows to the peer, fences,
-signals and waits, with no routing and no layout; its result is not checked). Every
+signals and waits, with no routing and no layout; its result is not checked), ``floor_flagged`` (the same in words
+that carry their own validity: no fence, no signal, twice the bytes; what a low-latency protocol would pay). Every
 backend runs per shard inside ``jax.shard_map`` over the mesh axis "ep" of all devices, with the same inputs.
 
 Configs (per rank: ``tokens`` rows of x; expert stand-in: dequantize, multiply by 2, cast to the combine dtype):
@@ -72,7 +73,8 @@ from jax_moe_comm._cli import prepare_process
 from jax_moe_comm.launch import initialize_distributed
 
 AXIS = "ep"
-ALL_BACKENDS = ("nvshmem", "reference", "ragged", "padded", "floor")
+ALL_BACKENDS = ("nvshmem", "reference", "ragged", "padded", "floor", "floor_flagged")
+PROBES = ("floor", "floor_flagged")  # not round trips: run only when named, their results not checked
 EPS = 1e-3  # weight of the previous output in the next input of a chain
 TOLERANCE = 2e-2
 NVSHMEM_MIN_HEAP = 1 << 30
@@ -250,18 +252,19 @@ class FloorImpl(Impl):
     """The protocol's floor on this machine (ffi/probe.cu): each direction one kernel that stores the T rows (x,
     then the expert outputs) into the peer, fences, signals and waits, and copies what landed into its result, with
     no routing and no layout. The chain and its glue are the other backends'; its result is no round trip's (not
-    checked). Only with the NVSHMEM backend (NVLink)."""
+    checked). Only with the NVSHMEM backend (NVLink). flagged: the bytes in words that carry their own validity, no
+    fence and no signal ("floor_flagged")."""
 
-    name = "floor"
     halves = False
 
-    def __init__(self, cfg: BenchConfig, tokens: int, mesh: Mesh) -> None:
+    def __init__(self, cfg: BenchConfig, tokens: int, mesh: Mesh, flagged: bool = False) -> None:
+        self.name = "floor_flagged" if flagged else "floor"
         self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend="nvshmem", check_errors=False)
         plan = self.comm._plan
         if not plan.p2p:
             self.comm.close()
             raise RuntimeError("the floor probe needs NVLink stores to every peer")
-        self._probe = lambda a: nvshmem_backend.probe_exchange(plan, a)  # per shard, as every Impl's methods
+        self._probe = lambda a: nvshmem_backend.probe_exchange(plan, a, flagged)  # per shard, as every Impl's
 
     def dispatch(self, x, scales, ids, w):
         return self._probe(x), scales, None
@@ -275,8 +278,8 @@ class FloorImpl(Impl):
 
 def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool = True,
               weights_to: str = "combine") -> Impl:
-    if name == "floor":
-        return FloorImpl(cfg, tokens, mesh)
+    if name in PROBES:
+        return FloorImpl(cfg, tokens, mesh, flagged=name == "floor_flagged")
     if name in ("nvshmem", "reference"):
         return CommImpl(name, cfg, tokens, mesh, check_errors, weights_to)
     return BaselineImpl(name, cfg)
@@ -592,7 +595,7 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
         if not all_processes_ok(error is None):
             row.error = error or "failed on another process"
             return row
-        if name != "floor":  # the floor's result is the bytes moved, no round trip's: nothing to check
+        if name not in PROBES:  # a probe's result is the bytes moved, no round trip's: nothing to check
             if "reference" in expected_y and name != "reference":
                 row.rel_err = relative_error(y, expected_y["reference"])
                 against = "the reference backend"
@@ -645,7 +648,7 @@ def available_backends(mesh: Mesh, nvshmem_reason: str | None) -> tuple[list[str
     """(backends that can run here, {backend: why not} for the others)."""
     why_not = {}
     if nvshmem_reason is not None:
-        why_not["nvshmem"] = why_not["floor"] = nvshmem_reason
+        why_not.update(dict.fromkeys(("nvshmem", *PROBES), nvshmem_reason))
     # ragged_all_to_all: XLA:CPU cannot compile it; XLA:GPU with one GPU per process runs it only through its NCCL
     # send/recv fallback, which is off by default (the call fails at run time). Probe with a tiny round trip.
     error = None
@@ -766,7 +769,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jax_moe_comm.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default=None,
-                   help=f"comma-separated, of {','.join(ALL_BACKENDS)} (default: every one available here but floor)")
+                   help=f"comma-separated, of {','.join(ALL_BACKENDS)} (default: every one available here but the "
+                        f"probes, {' and '.join(PROBES)})")
     p.add_argument("--configs", default="r1,v2lite", help="comma-separated, of r1,v2lite (default both)")
     p.add_argument("--tokens", default=None,
                    help=f"tokens per rank, comma-separated (default {','.join(map(str, DEFAULT_TOKENS))})")
@@ -816,11 +820,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     world = mesh.size
 
-    wants_nvshmem = args.backends is None or bool({"nvshmem", "floor"} & set(args.backends))
+    wants_nvshmem = args.backends is None or bool({"nvshmem", *PROBES} & set(args.backends))
     nvshmem_reason = start_nvshmem(wants_nvshmem, args.config_list, args.tokens, mesh)
     available, why_not = available_backends(mesh, nvshmem_reason)
-    # The floor only when named: a probe, not a round trip, and run only at the sizes where it was seen to compile.
-    backends = args.backends if args.backends is not None else [b for b in available if b != "floor"]
+    # The probes only when named: they are not round trips.
+    backends = args.backends if args.backends is not None else [b for b in available if b not in PROBES]
     # The reference backend first: the others are checked against its result.
     backends = sorted(backends, key=lambda b: b != "reference")
     if leader:

@@ -320,11 +320,14 @@ def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Ar
     return _checked(plan, y, handle.status, send_status, status)
 
 
-def probe_exchange(plan: Plan, x: Array) -> Array:
+def probe_exchange(plan: Plan, x: Array, flagged: bool = False) -> Array:
     """The bench's floor (ffi/probe.cu; NVLink path), per shard: x's bytes to the next rank, the previous rank's
-    returned in x's shape and dtype. One kernel: the bytes on the link, a fence, a signal and its wait, no routing.
-    x's size must be a multiple of 16 bytes and at most max_tokens rows of the combine dtype; a MoEComm used for
-    probes carries no round trips (the probe lands in its pre-reduced rows' buffer). A peer that never signals
-    raises as any call's timeout does (check_errors; reported under combine_recv, whose phase slot it uses)."""
-    out, status = _call("probe", (jax.ShapeDtypeStruct(x.shape, x.dtype), _STATUS), plan, x)
+    returned in x's shape and dtype. One kernel: the bytes on the link, a fence, a signal and its wait, no routing;
+    flagged: the bytes in 8-byte words of 4 data bytes and a flag the receiver polls, no fence and no signal (twice
+    the bytes). x's size must be a multiple of 16 bytes and at most max_tokens rows of the combine dtype (flagged:
+    K / 2 times that); a MoEComm used for probes carries no round trips (the probe lands in its combine buffers). A
+    peer that never arrives raises as any call's timeout does (check_errors; reported under combine_recv, whose
+    phase slot it uses)."""
+    out, status = _call("probe", (jax.ShapeDtypeStruct(x.shape, x.dtype), _STATUS), plan, x,
+                        flagged=np.int64(flagged))
     return _checked(plan, out, status)

@@ -269,12 +269,13 @@ def test_weights_to_dispatch_gives_the_same_round_trips(make_mesh):
     assert bench.parse_args(["--weights-to", "dispatch"]).weights_to == "dispatch"
 
 
-def test_floor_backend_needs_the_nvshmem_backend(make_mesh):
-    """The floor probe (ffi/probe.cu) runs only where the NVSHMEM backend does; elsewhere it is listed as unavailable
-    with the NVSHMEM backend's reason."""
+def test_floor_backends_need_the_nvshmem_backend(make_mesh):
+    """The floor probes (ffi/probe.cu: fence and signal, or flagged words) run only where the NVSHMEM backend does;
+    elsewhere they are listed as unavailable with the NVSHMEM backend's reason."""
     from jax_moe_comm import bench
 
     available, why_not = bench.available_backends(make_mesh(2), "no GPU here")
-    assert "floor" not in available and why_not["floor"] == why_not["nvshmem"] == "no GPU here"
-    assert bench.parse_args(["--backends", "floor"]).backends == ["floor"]
+    for probe in ("floor", "floor_flagged"):
+        assert probe not in available and why_not[probe] == why_not["nvshmem"] == "no GPU here"
+    assert bench.parse_args(["--backends", "floor,floor_flagged"]).backends == ["floor", "floor_flagged"]
 

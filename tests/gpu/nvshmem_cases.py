@@ -428,8 +428,9 @@ def raises_promptly(call, text: str, what: str, limit_s: float = 5.0) -> str:
     raise AssertionError(f"no error raised for {what}")
 
 
-def case_probe(mesh, seed):
-    """The bench's floor probe (ffi/probe.cu): every rank gets the previous rank's rows, call after call."""
+def case_probe(mesh, seed, flagged=False):
+    """The bench's floor probe (ffi/probe.cu): every rank gets the previous rank's rows, call after call (flagged:
+    in words that carry their own validity, polled by the receiver)."""
     from jax_moe_comm import nvshmem_backend
 
     world = mesh.shape["ep"]
@@ -437,8 +438,8 @@ def case_probe(mesh, seed):
     comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
     try:
         plan = comm._plan
-        f = jax.jit(jax.shard_map(lambda a: nvshmem_backend.probe_exchange(plan, a), mesh=mesh, in_specs=P("ep"),
-                                  out_specs=P("ep")))
+        f = jax.jit(jax.shard_map(lambda a: nvshmem_backend.probe_exchange(plan, a, flagged), mesh=mesh,
+                                  in_specs=P("ep"), out_specs=P("ep")))
         rng = np.random.default_rng(seed)
         for _ in range(3):
             host = rng.standard_normal((world * 16, 64)).astype(np.float32)
@@ -616,6 +617,7 @@ def main() -> int:
         ("grad: fp8 dispatch, bf16 gradients", lambda s: case_grad_fp8(mesh, s)),
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
         ("the bench's floor probe", lambda s: case_probe(mesh, s)),
+        ("the bench's floor probe, flagged words", lambda s: case_probe(mesh, s, flagged=True)),
         ("ids first: interleaved round trips", lambda s: ids_first(lambda: case_out_of_order(mesh, s))),
         ("bad expert id", lambda s: case_bad_ids(mesh, s)),
         ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: the timeouts last (3 s from here on)
