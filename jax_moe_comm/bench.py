@@ -498,6 +498,20 @@ def median_or_none(values: list[float]) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
+def timing_note(repeats: list[float], n: int) -> str | None:
+    """What a row's repeats say about the timing itself: a repeat at or below zero is one where the n-chain took no
+    longer than the 1-chain, so the host's jitter (or the processes' skew at a call's start) was larger than n - 1
+    round trips; the median is then kept as measured, and a longer chain (--chain) is the way to a firmer time."""
+    low = sum(t <= 0 for t in repeats)
+    if not low:
+        return None
+    if statistics.median(repeats) <= 0:
+        return (f"below this machine's timing resolution: the {n}-chain took no longer than the 1-chain "
+                "(a busy CPU's jitter exceeds the round trip)")
+    return (f"{low} of {len(repeats)} repeats at or below zero: the jitter between calls exceeds {n - 1} round "
+            "trips, so this median is loose; a longer --chain firms it")
+
+
 class Progress:
     """tqdm on stderr when installed and stderr is a terminal (else one line per step); silent on processes other
     than 0."""
@@ -632,9 +646,7 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
         if nbytes and row.total_us:
             row.bytes = float(np.mean(nbytes))
             row.gbps = row.bytes / (row.total_us * 1e-6) / 1e9 if row.total_us > 0 else None
-        if row.total_us is not None and row.total_us <= 0:  # kept as measured, and said what it means
-            row.note = (f"below this machine's timing resolution: the {n}-chain took no longer than the 1-chain "
-                        "(a busy CPU's jitter exceeds the round trip)")
+        row.note = timing_note(times.get("total", []), n)
         if errors:
             row.error = "; ".join(f"{part}: {text}" if part in ("dispatch", "combine") else text
                                   for part, text in errors.items())

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_comm import baselines
+from jax_moe_comm import baselines, bench
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"backend", "config", "tokens", "dispatch_us", "combine_us", "total_us", "gbps"}
@@ -214,7 +214,6 @@ def test_baseline_round_trip_fp8_with_scales(make_mesh, rng):
 def test_round_trip_chain_keeps_every_round_trip(backend, make_mesh):
     """XLA runs n chained round trips as n (none merged with another for identical inputs, none dropped as unused),
     and the bench's check says so; a chain tied only by optimization barriers is merged, and the check says that."""
-    from jax_moe_comm import bench
 
     mesh = make_mesh(2)
     cfg, T, n = bench.QUICK_CONFIGS["r1"], 8, 3
@@ -252,7 +251,6 @@ def test_round_trip_chain_keeps_every_round_trip(backend, make_mesh):
 
 def test_weights_to_dispatch_gives_the_same_round_trips(make_mesh):
     """--weights-to dispatch: the MoEComm backends get the weights with dispatch; the chain's result is the same."""
-    from jax_moe_comm import bench
 
     mesh = make_mesh(2)
     cfg, T = bench.QUICK_CONFIGS["r1"], 8
@@ -272,10 +270,18 @@ def test_weights_to_dispatch_gives_the_same_round_trips(make_mesh):
 def test_floor_backends_need_the_nvshmem_backend(make_mesh):
     """The floor probes (ffi/probe.cu: fence and signal, or flagged words) run only where the NVSHMEM backend does;
     elsewhere they are listed as unavailable with the NVSHMEM backend's reason."""
-    from jax_moe_comm import bench
 
     available, why_not = bench.available_backends(make_mesh(2), "no GPU here")
     for probe in ("floor", "floor_flagged"):
         assert probe not in available and why_not[probe] == why_not["nvshmem"] == "no GPU here"
     assert bench.parse_args(["--backends", "floor,floor_flagged"]).backends == ["floor", "floor_flagged"]
 
+
+
+def test_timing_note_says_when_repeats_fall_below_the_resolution():
+    """A repeat <= 0 means the chain was shorter than the host's jitter: the row says so, with how many."""
+    assert bench.timing_note([10.0, 12.0, 11.0], 20) is None
+    assert bench.timing_note([], 20) is None
+    loose = bench.timing_note([14.5, -5.9, 13.0, 11.5, -11.0], 20)
+    assert loose.startswith("2 of 5 repeats at or below zero") and "--chain" in loose
+    assert "timing resolution" in bench.timing_note([-1.0, 0.0, 2.0], 20)
