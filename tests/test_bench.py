@@ -285,3 +285,22 @@ def test_timing_note_says_when_repeats_fall_below_the_resolution():
     loose = bench.timing_note([14.5, -5.9, 13.0, 11.5, -11.0], 20)
     assert loose.startswith("2 of 5 repeats at or below zero") and "--chain" in loose
     assert "timing resolution" in bench.timing_note([-1.0, 0.0, 2.0], 20)
+
+
+def test_committed_records_have_the_schema_and_the_readme_shows_the_newest():
+    """Every record under benchmarks/results/ (subfolders included) carries what makes it a record, and the table in
+    the project README is the one render.py makes from the newest top-level record."""
+    render = _load_render()
+    results = ROOT / "benchmarks" / "results"
+    paths = sorted(results.rglob("*.json"))
+    assert paths, "no committed record"
+    for path in paths:
+        record = json.loads(path.read_text())
+        assert {"date", "commit", "device", "world", "command", "rows"} <= set(record), path
+        assert record["rows"], path
+        for row in record["rows"]:
+            assert {"backend", "config", "tokens", "dispatch_us", "combine_us", "total_us"} <= set(row), (path, row)
+    newest = json.loads(render.newest_record(results).read_text())
+    readme = (ROOT / "README.md").read_text()
+    shown = readme[readme.index(render.BEGIN) + len(render.BEGIN):readme.index(render.END)].strip()
+    assert shown == render.markdown_table(newest).strip()
