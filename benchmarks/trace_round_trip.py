@@ -64,7 +64,7 @@ def main() -> int:
     initialize_distributed()
     mesh = Mesh(np.array(jax.devices()), (bench.AXIS,))
     cfg = bench.CONFIGS[args.config]
-    if args.backend == "nvshmem":
+    if args.backend == "nvshmem" or args.backend in bench.PROBES:  # the probes run on a MoEComm too
         reason = bench.start_nvshmem(True, [cfg], [args.tokens], mesh)
         if reason:
             print(f"nvshmem unavailable: {reason}", file=sys.stderr)

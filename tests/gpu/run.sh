@@ -6,7 +6,7 @@
 #   TESTS=0 | cases             skip bootstrap, launcher, cases and demo | run the cases alone (default: all)
 #   TRAIN="args"                the training example on both backends through the launcher, losses compared
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
-#   BENCH_RANKS=1               that bench on one GPU (world 1: the fixed costs without a peer; default 2)
+#   RANKS=1                     BENCH and TRACE on one GPU (world 1: the fixed costs without a peer; default 2)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
 #   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank);
@@ -111,7 +111,7 @@ fi
 
 if [ -n "${BENCH:-}" ]; then
   step "bench"
-  timeout 500 python3 -m jax_moe_comm.launch -n "${BENCH_RANKS:-2}" -- -m jax_moe_comm.bench $BENCH > "$LOGS/bench.log" 2>&1
+  timeout 500 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- -m jax_moe_comm.bench $BENCH > "$LOGS/bench.log" 2>&1
   tail -40 "$LOGS/bench.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${BENCH_SINGLE:-}" ]; then  # one process driving both GPUs (the ragged baseline needs it)
@@ -124,7 +124,7 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
   for i in "${!traces[@]}"; do
     targs=${traces[$i]}
     step "trace: $targs"
-    timeout 300 python3 -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py $targs > "$LOGS/trace_$i.log" 2>&1
+    timeout 300 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- benchmarks/trace_round_trip.py $targs > "$LOGS/trace_$i.log" 2>&1
     grep "^\[rank 0\]" "$LOGS/trace_$i.log" | grep -v -E "W[0-9]{4}|GRPC|Source Location|grpc_util|^\[rank 0\] $" | tail -100 \
       | tee -a "$OUT/summary.txt"
   done
