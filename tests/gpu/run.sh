@@ -12,6 +12,9 @@
 #   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank);
 #                               MARKS_ENVS="A=1;B=2" repeats them under each of those environments
 #   HARNESS=1                   the kernel harness's cases (no XLA: four kernels and the two fused ones)
+#   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
+#                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
+#                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
 #   PROBE=1                     tests/gpu/first_pass_probe.cu: load, TLB and instruction-fetch latency in a fresh launch
 #   SANITIZE="case|case"        the kernel harness (tests/gpu/kernel_harness.py: no XLA on the GPU), plain and under
 #                               compute-sanitizer (SANITIZE_TOOLS, default "memcheck"), XLA:GPU alone under memcheck,
@@ -111,7 +114,8 @@ fi
 
 if [ -n "${BENCH:-}" ]; then
   step "bench"
-  timeout 500 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- -m jax_moe_comm.bench $BENCH > "$LOGS/bench.log" 2>&1
+  timeout 500 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- -m jax_moe_comm.bench $BENCH \
+    > "$LOGS/bench.log" 2>&1
   tail -40 "$LOGS/bench.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${BENCH_SINGLE:-}" ]; then  # one process driving both GPUs (the ragged baseline needs it)
@@ -124,15 +128,17 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
   for i in "${!traces[@]}"; do
     targs=${traces[$i]}
     step "trace: $targs"
-    timeout 300 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- benchmarks/trace_round_trip.py $targs > "$LOGS/trace_$i.log" 2>&1
+    timeout 300 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- benchmarks/trace_round_trip.py $targs \
+      > "$LOGS/trace_$i.log" 2>&1
     grep "^\[rank 0\]" "$LOGS/trace_$i.log" | grep -v -E "W[0-9]{4}|GRPC|Source Location|grpc_util|^\[rank 0\] $" | tail -100 \
       | tee -a "$OUT/summary.txt"
   done
 fi
 if [ "${HARNESS:-0}" = 1 ]; then
-  step "kernel harness cases (no XLA on the GPU)"
-  NVSHMEM_DISABLE_NCCL=1 timeout 300 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py \
-    > "$LOGS/harness.log" 2>&1
+  shared=""; [ "${SHARED_GPU:-0}" = 1 ] && shared="CUDA_VISIBLE_DEVICES=0,0"
+  step "kernel harness cases (no XLA on the GPU)${shared:+, both ranks on GPU 0}"
+  env $shared NVSHMEM_DISABLE_NCCL=1 timeout 300 python3 -m jax_moe_comm.launch -n 2 \
+    -- tests/gpu/kernel_harness.py > "$LOGS/harness.log" 2>&1
   rc=$?
   case_results "$LOGS/harness.log"
   step "kernel harness exit code $rc"
