@@ -6,7 +6,7 @@
 #   TESTS=0 | cases             skip bootstrap, launcher, cases and demo | run the cases alone (default: all)
 #   TRAIN="args"                the training example on both backends through the launcher, losses compared
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
-#   RANKS=1                     BENCH and TRACE on one GPU (world 1: the fixed costs without a peer; default 2)
+#   RANKS=1                     BENCH, TRACE and MARKS on one GPU (world 1: the fixed costs without a peer; default 2)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
 #   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank);
@@ -156,7 +156,8 @@ if [ -n "${MARKS:-}" ]; then  # where each kernel's time goes (kernel harness, n
   for i in -1 "${!mark_envs[@]}"; do
     extra=""; [ "$i" -ge 0 ] && extra=${mark_envs[$i]}
     step "kernel marks: R1, tokens $MARKS${extra:+, with $extra}"
-    env $extra timeout 200 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/kernel_harness.py --marks "$MARKS" \
+    env $extra timeout 200 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/kernel_harness.py \
+      --marks "$MARKS" \
       > "$LOGS/marks_$((i + 1)).log" 2>&1
     grep -E "^\[rank [0-9]\] (rank|phase|dispatch|combine|round trip|no kernel)" "$LOGS/marks_$((i + 1)).log" \
       | tee -a "$OUT/summary.txt"
