@@ -55,6 +55,8 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="keep the per-round-trip error callback")
     p.add_argument("--all-ranks", action="store_true",
                    help="every rank prints its report (a kernel that waits measures its peer's lateness too)")
+    p.add_argument("--host", action="store_true",
+                   help="also the host's activity per event name (XLA's thunks, command buffer updates, FFI calls)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set before the MoEComm is built, e.g. JAX_MOE_COMM_PREREDUCE_MIN_TOKENS=1 (repeatable)")
     args = p.parse_args()
@@ -99,6 +101,15 @@ def main() -> int:
     print(f"{'kernel / activity':70s} {'count':>6s} {'median us':>9s} {'total us':>9s}")
     for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]:
         print(f"{name:70s} {len(durs):6d} {np.median(durs):9.1f} {sum(durs):9.1f}")
+    if args.host:  # what the host does per call: time spent per event name, over the 3 traced calls
+        gpu_ids = {id(e) for e in gpu}
+        host: dict[str, list[float]] = collections.defaultdict(list)
+        for e in events:
+            if e.get("ph") == "X" and "dur" in e and id(e) not in gpu_ids:
+                host[e.get("name", "")[:70]].append(e["dur"])
+        print(f"{'host event':70s} {'count':>6s} {'median us':>9s} {'total us':>9s}")
+        for name, durs in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:30]:
+            print(f"{name:70s} {len(durs):6d} {np.median(durs):9.1f} {sum(durs):9.1f}")
     # The last chain call: device events in start order, with the gap before each.
     gpu.sort(key=lambda e: e["ts"])
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
