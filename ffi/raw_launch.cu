@@ -24,10 +24,17 @@ T* ptr(const Args& a, const char* name) {
   return reinterpret_cast<T*>(static_cast<intptr_t>(arg(a, name)));
 }
 
+// An argument a caller may leave out (0 then: a null pointer, or false).
+int64_t optional_arg(const Args& a, const char* name) {
+  auto it = a.find(name);
+  return it == a.end() ? 0 : it->second;
+}
+
 // Each phase's arguments; `status` names the status output (the fused calls have two).
-DispatchSendArgs dispatch_send_args(const Args& a, const char* status) {
+DispatchSendArgs dispatch_send_args(const Args& a, const char* status) {  // topk_weights: given with the dispatch
   return {ptr<const void>(a, "x"), ptr<const float>(a, "scales"), ptr<const int32_t>(a, "topk_ids"),
-          ptr<const int32_t>(a, "num_tokens"), ptr<int32_t>(a, status)};
+          ptr<const int32_t>(a, "num_tokens"), ptr<int32_t>(a, status),
+          reinterpret_cast<const float*>(static_cast<intptr_t>(optional_arg(a, "topk_weights")))};
 }
 
 DispatchRecvArgs dispatch_recv_args(const Args& a, const char* status) {
@@ -35,10 +42,11 @@ DispatchRecvArgs dispatch_recv_args(const Args& a, const char* status) {
           ptr<int32_t>(a, "row_origin"), ptr<int32_t>(a, status)};
 }
 
-CombineSendArgs combine_send_args(const Args& a, const char* status) {  // prereduce_weights 0: rows per slot
+// prereduce_weights 0: rows per slot; weights_sent: the dispatch stored them on every rank already.
+CombineSendArgs combine_send_args(const Args& a, const char* status) {
   return {ptr<const void>(a, "expert_y"), static_cast<int>(arg(a, "elem_bytes")), ptr<const int32_t>(a, "row_origin"),
           ptr<int32_t>(a, status), ptr<const float>(a, "prereduce_weights"), static_cast<int>(arg(a, "in_dtype")),
-          static_cast<int>(arg(a, "partial_dtype"))};
+          static_cast<int>(arg(a, "partial_dtype")), optional_arg(a, "weights_sent") != 0};
 }
 
 CombineRecvArgs combine_recv_args(const Args& a, const char* status) {

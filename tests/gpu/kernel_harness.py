@@ -66,6 +66,7 @@ CASES = {
     "ids first: -1 slots": (C(8, 4, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32), "dropped", IDS_FIRST),
 }
 TOO_SLOW_UNDER_SANITIZER = {"many tokens: several batches per block"}
+WEIGHTS_AT = {"send": "at combine_send", "recv": "at combine_recv", "dispatch": "given to dispatch_send"}
 
 
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
@@ -135,10 +136,11 @@ def reference_round_trip(cfg, world, x, ids, w, scales, counts):
 
 def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
     """This rank's inputs on the device, zeroed outputs (expert_y too), and the four phases' launch_phase arguments
-    with the weights at combine_send (`weights_at` "send": pre-reduced on the NVLink path, as the backend does) or at
-    combine_recv (rows per slot). Returns (phase arguments in phase order, {output name: device pointer}); `fused`
-    turns the first into the two fused kernels' arguments."""
-    reduced = p2p and weights_at == "send"
+    with the weights at combine_send (`weights_at` "send": pre-reduced on the NVLink path, as the backend does), at
+    combine_recv (rows per slot), or given to dispatch_send ("dispatch", NVLink path: stored with the ids on every
+    rank, then pre-reduced with no exchange in combine_send). Returns (phase arguments in phase order, {output name:
+    device pointer}); `fused` turns the first into the two fused kernels' arguments."""
+    reduced = p2p and weights_at in ("send", "dispatch")
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
     status = [mem.alloc(16) for _ in range(4)]
@@ -150,12 +152,14 @@ def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
                expert_y=mem.alloc(cap * H * np.dtype(cfg.out_dtype).itemsize),
                out=mem.alloc(T * H * np.dtype(cfg.out_dtype).itemsize))
     code = _DTYPE_CODE[np.dtype(cfg.out_dtype)]
+    sent = p2p and weights_at == "dispatch"
     args = [
-        dict(x=x_d, scales=scales_d, topk_ids=ids_d, num_tokens=n_d, status=status[0]),
+        dict(x=x_d, scales=scales_d, topk_ids=ids_d, num_tokens=n_d, status=status[0], topk_weights=w_d if sent else 0),
         dict(expert_x=out["expert_x"], expert_scales=out["expert_scales"], group_sizes=out["group_sizes"],
              row_origin=out["row_origin"], status=status[1]),
         dict(expert_y=out["expert_y"], elem_bytes=np.dtype(cfg.out_dtype).itemsize, row_origin=out["row_origin"],
-             status=status[2], prereduce_weights=w_d if reduced else 0, in_dtype=code, partial_dtype=code),
+             status=status[2], prereduce_weights=w_d if reduced else 0, in_dtype=code, partial_dtype=code,
+             weights_sent=int(sent)),
         dict(topk_ids=ids_d, topk_weights=w_d, num_tokens=n_d, out=out["out"], rows_dtype=code, out_dtype=code,
              status=status[3], reduced=int(reduced)),
     ]
@@ -220,20 +224,24 @@ def run_case(rank, world, seed, cfg, kind, repeats=2):
         p2p = bool(_native.ext.context_p2p(ctx))
         cap, L = sizes["capacity"], sizes["local_experts"]
         rows = slice(rank * T, (rank + 1) * T)
-        # Pre-reduced (NVLink only) and per slot, through the four kernels and (NVLink only) the two fused ones,
-        # each `repeats` times: later round trips reuse the buffers the earlier ones reset.
+        # Pre-reduced, with the weights given to combine_send or to dispatch_send (NVLink only), and per slot,
+        # through the four kernels and (NVLink only) the two fused ones, each `repeats` times: later round trips
+        # reuse the buffers the earlier ones reset.
         split_y = {}
         for fused in (False, True)[:2 if p2p else 1]:
-            for weights_at in ("send", "recv")[0 if p2p else 1:] * repeats:
+            for weights_at in (("send", "dispatch", "recv") if p2p else ("recv",)) * repeats:
                 got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
                                         None if scales is None else scales[rows], T, weights_at, fused)
                 used, err = check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at)
                 y = got[4]
                 if fused:  # the same device code as the four kernels: the same sums, bit for bit
                     assert np.array_equal(y.view(np.uint8), split_y[weights_at].view(np.uint8)), \
-                        f"fused combine (weights at combine_{weights_at}) differs from the four kernels'"
+                        f"fused combine (weights {WEIGHTS_AT[weights_at]}) differs from the four kernels'"
                 split_y.setdefault(weights_at, y)
-        combines = "pre-reduced and per slot" if p2p else "per slot"
+                if weights_at == "dispatch":  # the same weights, the same pre-reduction: the same bits
+                    assert np.array_equal(y.view(np.uint8), split_y["send"].view(np.uint8)), \
+                        "weights given to dispatch give another combine than weights given to combine_send"
+        combines = "pre-reduced (weights to combine_send, to dispatch) and per slot" if p2p else "per slot"
         kernels = "four kernels, then the two fused ones (the same bits)" if p2p else "four kernels"
         return (f"rows {used}, combine rel err {err:.1e}, {'NVLink stores' if p2p else 'staged puts'}, "
                 f"{repeats} trips {combines}, {kernels}")
@@ -258,7 +266,7 @@ def check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at):
     y32, ref32 = y.astype(np.float32), ref[4][rows].astype(np.float32)
     err = float(np.abs(y32 - ref32).max() / max(np.abs(ref32).max(), 1e-30))
     tol = TOLERANCE[np.dtype(cfg.out_dtype).name]
-    assert err <= tol, f"combine rel err {err:.2e} (weights at combine_{weights_at}) > {tol}"
+    assert err <= tol, f"combine rel err {err:.2e} (weights {WEIGHTS_AT[weights_at]}) > {tol}"
     return used, err
 
 
@@ -279,11 +287,12 @@ def format_marks(marks: np.ndarray) -> list[str]:
     return lines
 
 
-def marks_table(rank, world, config, tokens, trips):
+def marks_table(rank, world, config, tokens, trips, weights_to="combine"):
     """Where each kernel's time goes: `trips` round trips of the bench config at `tokens` per rank, the four kernels
     (on the NVLink path the two fused ones, unless JAX_MOE_COMM_FUSED=0: their phases stamp the same marks) queued
     back to back (expert_y is zeros: values do not matter here), each trip's kernel marks read after it. The
-    weights go where the fused combine gives them (JAX_MOE_COMM_PREREDUCE_MIN_TOKENS).
+    weights go where the fused combine gives them (JAX_MOE_COMM_PREREDUCE_MIN_TOKENS), given to dispatch_send when
+    `weights_to` is "dispatch" and the combine pre-reduces (as the bench's --weights-to dispatch).
     Prints, per phase, the median µs from `start` to each later mark, and the median gap from the previous phase's
     `end` to this one's `start` (launch and queueing)."""
     from jax_moe_comm import bench
@@ -303,6 +312,8 @@ def marks_table(rank, world, config, tokens, trips):
         p2p = bool(ext.context_p2p(ctx))
         fused = p2p and fused_halves_enabled()
         weights_at = combine_weights_at(cfg)
+        if weights_to == "dispatch" and p2p and weights_at == "send":
+            weights_at = "dispatch"
         phase_args, _ = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, T, weights_at)
         launches = [launch for half in round_trip_launches(phase_args, fused) for launch in half]
         rows = []
@@ -316,7 +327,7 @@ def marks_table(rank, world, config, tokens, trips):
             rows.append(np.array(got, np.int64).reshape(len(PHASES), len(MARKS)))
         marks = np.stack(rows[1:])  # the first trip also waits for the peer's start-up
         print(f"rank {rank}: {config} T={tokens}, {'NVLink stores' if p2p else 'staged puts'}, "
-              f"{'two fused kernels' if fused else 'four kernels'}, weights at combine_{weights_at}, median of "
+              f"{'two fused kernels' if fused else 'four kernels'}, weights {WEIGHTS_AT[weights_at]}, median of "
               f"{len(marks)} trips, us from the kernel's start (gap: from the previous kernel's end)")
         print("\n".join(format_marks(marks)), flush=True)
     finally:
@@ -343,6 +354,8 @@ def main() -> int:
     parser.add_argument("--marks", default="", metavar="T,T,...",
                         help="instead of the cases: where each kernel's time goes (R1, these tokens per rank; sets "
                              "JAX_MOE_COMM_KERNEL_MARKS=1)")
+    parser.add_argument("--weights-to", choices=("combine", "dispatch"), default="combine",
+                        help="with --marks: give the weights to dispatch where the combine pre-reduces")
     parser.add_argument("--case-limit", type=float, default=280.0, help="seconds before a case that has not "
                         "returned dumps every stack and ends the rank (memcheck slows the kernels down)")
     args = parser.parse_args()
@@ -357,7 +370,7 @@ def main() -> int:
     if args.marks:
         os.environ["JAX_MOE_COMM_KERNEL_MARKS"] = "1"  # read when a context is made
         for tokens in (int(t) for t in args.marks.split(",")):
-            marks_table(rank, world, "r1", tokens, trips=50)
+            marks_table(rank, world, "r1", tokens, trips=50, weights_to=args.weights_to)
         _native.ext.finalize()
         return 0
     passed = failed = 0

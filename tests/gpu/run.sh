@@ -11,6 +11,7 @@
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
 #   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank);
 #                               MARKS_ENVS="A=1;B=2" repeats them under each of those environments
+#                               MARKS_ARGS="--weights-to dispatch": weights given to dispatch where combine pre-reduces
 #   HARNESS=1                   the kernel harness's cases (no XLA: four kernels and the two fused ones)
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
@@ -157,7 +158,7 @@ if [ -n "${MARKS:-}" ]; then  # where each kernel's time goes (kernel harness, n
     extra=""; [ "$i" -ge 0 ] && extra=${mark_envs[$i]}
     step "kernel marks: R1, tokens $MARKS${extra:+, with $extra}"
     env $extra timeout 200 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/kernel_harness.py \
-      --marks "$MARKS" \
+      --marks "$MARKS" ${MARKS_ARGS:-} \
       > "$LOGS/marks_$((i + 1)).log" 2>&1
     grep -E "^\[rank [0-9]\] (rank|phase|dispatch|combine|round trip|no kernel)" "$LOGS/marks_$((i + 1)).log" \
       | tee -a "$OUT/summary.txt"
