@@ -146,28 +146,46 @@ __device__ inline void warp_copy(void* dst, const void* src, int bytes, int lane
   for (int i = vecs * 16 + lane; i < bytes; i += 32) d[i] = s[i];
 }
 
+// A row's payload and scales held by a warp in registers, 16-byte words: up to kCopyDepth per lane of the payload
+// and one of the scales (R1's fp8 rows and V2-Lite's bf16 ones fit). Loaded in one pass, so every load is in
+// flight before any store (a load may not pass a store that could alias it), and storable to several places.
+struct RowInRegisters {
+  int4 words[kCopyDepth];
+  int4 scale_word;
+  // Whether rows of these sizes fit, given the addresses involved OR-ed together (all must be 16-byte aligned).
+  __device__ static bool fits(uintptr_t addresses, int payload_bytes, int scale_bytes) {
+    return ((addresses | payload_bytes | scale_bytes) & 15) == 0 && payload_bytes / 16 <= 32 * kCopyDepth &&
+           scale_bytes / 16 <= 32;
+  }
+  __device__ void load(const void* payload, int payload_bytes, const void* scales, int scale_bytes, int lane) {
+    scale_word = make_int4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < kCopyDepth; ++j)
+      if (j * 32 + lane < payload_bytes / 16) words[j] = static_cast<const int4*>(payload)[j * 32 + lane];
+    if (lane < scale_bytes / 16) scale_word = static_cast<const int4*>(scales)[lane];
+  }
+  __device__ void store(void* payload, int payload_bytes, void* scales, int scale_bytes, int lane) const {
+#pragma unroll
+    for (int j = 0; j < kCopyDepth; ++j)
+      if (j * 32 + lane < payload_bytes / 16) static_cast<int4*>(payload)[j * 32 + lane] = words[j];
+    if (lane < scale_bytes / 16) static_cast<int4*>(scales)[lane] = scale_word;
+  }
+};
+
 // Two warp_copy's (a row's payload and its scales) with the loads of both in flight before any store, when they fit
-// one pass (kCopyDepth words per lane for the first, one for the second); otherwise one after the other.
+// a RowInRegisters; otherwise one after the other.
 __device__ inline void warp_copy_pair(void* dst, const void* src, int bytes, void* dst2, const void* src2, int bytes2,
                                       int lane) {
-  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                         reinterpret_cast<uintptr_t>(dst2) | reinterpret_cast<uintptr_t>(src2) | bytes | bytes2) &
-                        15) == 0;
-  const int vecs = bytes / 16, vecs2 = bytes2 / 16;
-  if (!aligned || vecs > 32 * kCopyDepth || vecs2 > 32) {
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                              reinterpret_cast<uintptr_t>(dst2) | reinterpret_cast<uintptr_t>(src2);
+  if (!RowInRegisters::fits(addresses, bytes, bytes2)) {
     warp_copy(dst, src, bytes, lane);
     if (bytes2 > 0) warp_copy(dst2, src2, bytes2, lane);
     return;
   }
-  int4 words[kCopyDepth], word2 = make_int4(0, 0, 0, 0);
-#pragma unroll
-  for (int j = 0; j < kCopyDepth; ++j)
-    if (j * 32 + lane < vecs) words[j] = static_cast<const int4*>(src)[j * 32 + lane];
-  if (lane < vecs2) word2 = static_cast<const int4*>(src2)[lane];
-#pragma unroll
-  for (int j = 0; j < kCopyDepth; ++j)
-    if (j * 32 + lane < vecs) static_cast<int4*>(dst)[j * 32 + lane] = words[j];
-  if (lane < vecs2) static_cast<int4*>(dst2)[lane] = word2;
+  RowInRegisters row;
+  row.load(src, bytes, src2, bytes2, lane);
+  row.store(dst, bytes, dst2, bytes2, lane);
 }
 
 // Zeroes a row, in 16-byte words when dst is 16-byte aligned (padding rows of an unaligned row size are not).

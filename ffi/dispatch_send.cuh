@@ -69,28 +69,20 @@ __device__ inline void store_token_row(const Context& ctx, size_t slot, const Di
   const float* scales = a.scales + static_cast<size_t>(t) * s.scale_cols;
   const int scale_bytes = 4 * s.scale_cols;
   const uintptr_t scales_at = s.scale_cols ? reinterpret_cast<uintptr_t>(scales) : 0;  // no scales: any pointer
-  const bool aligned = ((reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(x) | scales_at |
-                         s.payload_bytes | scale_bytes) & 15) == 0;
-  const int payload_words = s.payload_bytes / 16, scale_words = scale_bytes / 16;
-  if (!aligned || payload_words > 32 * kCopyDepth || scale_words > 32) {
+  if (!RowInRegisters::fits(reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(x) | scales_at,
+                            s.payload_bytes, scale_bytes)) {
     for (int d = 0; d < s.world; ++d)
       if (__any_sync(0xffffffffu, dest_of_lane == d)) write_token_row(peer_ptr(ctx, row, d), s, a, t, lane);
     return;
   }
-  int4 words[kCopyDepth], scale_word = make_int4(0, 0, 0, 0);
-#pragma unroll
-  for (int j = 0; j < kCopyDepth; ++j)
-    if (j * 32 + lane < payload_words) words[j] = reinterpret_cast<const int4*>(x)[j * 32 + lane];
-  if (lane < scale_words) scale_word = reinterpret_cast<const int4*>(scales)[lane];
+  RowInRegisters words;
+  words.load(x, s.payload_bytes, scales, scale_bytes, lane);
   const int K = s.experts_per_token;
   const int id = lane < K ? a.topk_ids[static_cast<size_t>(t) * K + lane] : 0;
   for (int d = 0; d < s.world; ++d) {
     if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
     char* peer_row = peer_ptr(ctx, row, d);
-#pragma unroll
-    for (int j = 0; j < kCopyDepth; ++j)
-      if (j * 32 + lane < payload_words) reinterpret_cast<int4*>(peer_row)[j * 32 + lane] = words[j];
-    if (lane < scale_words) reinterpret_cast<int4*>(peer_row + scales_offset(s))[lane] = scale_word;
+    words.store(peer_row, s.payload_bytes, peer_row + scales_offset(s), scale_bytes, lane);
     auto* header = reinterpret_cast<int32_t*>(peer_row + header_offset(s));
     if (lane == 0) header[0] = t;
     if (lane < K) header[1 + lane] = id;
