@@ -110,7 +110,9 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
     const int origin = a.row_origin[p];
     if (origin >= 0 && origin < entries) ctx.row_of[origin] = p;
   }
-  __threadfence_system();
+  // Our weights reach every rank before the weights_ready signal below. With the weights sent by the dispatch there
+  // are no stores to peers here, and the grid barrier alone makes row_of visible to every block.
+  if (publish > 0) __threadfence_system();
   cooperative_groups::this_grid().sync();
 
   // 2. Weights: ours are everywhere; wait for every source's (a thread per source, in every block).
