@@ -19,11 +19,14 @@ namespace jmc {
 // Every token's routing is checked (each replica checks all, like the reference backend): a thread per token, its
 // ids row in registers (live_slots). A slot that is not live and not -1 is an error: out of range, else a repeat.
 // Slot by slot, with a load per comparison, this took ~4.6 us at T = 1 (a chain of dependent loads per thread).
-__device__ inline void validate_ids(const Sizes& s, const DispatchSendArgs& a, int num_tokens, int32_t* status) {
-  const int K = s.experts_per_token;
-  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
+// `first_row`: this thread's first token's ids, already loaded (or null).
+__device__ inline void validate_ids(const Sizes& s, const DispatchSendArgs& a, int num_tokens, int32_t* status,
+                                    const IdsRow* first_row) {
+  const int K = s.experts_per_token, first = blockIdx.x * blockDim.x + threadIdx.x;
+  for (int t = first; t < num_tokens; t += gridDim.x * blockDim.x) {
     const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
-    const unsigned live = live_slots(ids, K, s.num_experts);
+    const unsigned live = t == first && first_row ? live_mask(*first_row, s.num_experts)
+                                                  : live_slots(ids, K, s.num_experts);
     const unsigned all_slots = K < 32 ? (1u << K) - 1u : ~0u;
     if (live == all_slots) continue;  // the common case: no -1, no repeat, nothing out of range
     for (int k = 0; k < K; ++k) {
@@ -34,8 +37,8 @@ __device__ inline void validate_ids(const Sizes& s, const DispatchSendArgs& a, i
   }
 }
 
-__device__ inline int replica_tokens(const Sizes& s, const DispatchSendArgs& a, int* num_tokens) {
-  *num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
+__device__ inline int replica_tokens(const Sizes& s, int raw_tokens, int* num_tokens) {
+  *num_tokens = min(max(raw_tokens, 0), s.max_tokens);
   const int replica = s.rank % s.dp_size;
   return *num_tokens > replica ? (*num_tokens - replica + s.dp_size - 1) / s.dp_size : 0;
 }
@@ -102,10 +105,19 @@ __device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& 
 // The start of both send kernels: the protocol-order check (false: the phase did not run), then this replica's
 // token count and the validation of every live token's ids.
 __device__ inline bool begin_send(const Context& ctx, const DispatchSendArgs& a, int* my_tokens) {
+  // The token count and this thread's first ids row do not depend on the protocol word: their loads go out with
+  // it, not after it (a kernel's first loads are dependent steps of ~0.5 us each). The row is read for any token
+  // below max_tokens (the ids are [max_tokens, K]) and used only if the token counts.
+  const Sizes& s = ctx.s;
+  const int K = s.experts_per_token, first = blockIdx.x * blockDim.x + threadIdx.x;
+  const int raw_tokens = *a.num_tokens;
+  const bool preload = first < s.max_tokens && K <= kUnrolledSlots;
+  IdsRow first_row;
+  if (preload) first_row = load_ids_row(a.topk_ids + static_cast<size_t>(first) * K, K);
   if (!begin_phase(ctx, kDispatchSend, a.status)) return false;
   int num_tokens;
-  *my_tokens = replica_tokens(ctx.s, a, &num_tokens);
-  validate_ids(ctx.s, a, num_tokens, phase_status(ctx, kDispatchSend));
+  *my_tokens = replica_tokens(s, raw_tokens, &num_tokens);
+  validate_ids(s, a, num_tokens, phase_status(ctx, kDispatchSend), preload ? &first_row : nullptr);
   mark(ctx, kDispatchSend, kWaited);
   return true;
 }
