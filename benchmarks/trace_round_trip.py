@@ -45,6 +45,16 @@ def device_events(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
 
 
+def print_by_name(title: str, events: list[dict], rows: int) -> None:
+    """Count, median and total duration per event name (the `rows` names with the most time)."""
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in events:
+        by_name[e.get("name", "")[:70]].append(e["dur"])
+    print(f"{title:70s} {'count':>6s} {'median us':>9s} {'total us':>9s}")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        print(f"{name:70s} {len(durs):6d} {np.median(durs):9.1f} {sum(durs):9.1f}")
+
+
 def main() -> int:
     prepare_process()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -94,22 +104,12 @@ def main() -> int:
         names = collections.Counter(e.get("name", "") for e in events if e.get("ph") == "X")
         print("no GPU events (CUPTI missing?); most frequent host events:", names.most_common(15))
         return 0
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for e in gpu:
-        by_name[e["name"][:70]].append(e["dur"])
     # The median, not the mean: the first round trip of each call also waits for the peer's host to launch.
-    print(f"{'kernel / activity':70s} {'count':>6s} {'median us':>9s} {'total us':>9s}")
-    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]:
-        print(f"{name:70s} {len(durs):6d} {np.median(durs):9.1f} {sum(durs):9.1f}")
+    print_by_name("kernel / activity", gpu, 25)
     if args.host:  # what the host does per call: time spent per event name, over the 3 traced calls
         gpu_ids = {id(e) for e in gpu}
-        host: dict[str, list[float]] = collections.defaultdict(list)
-        for e in events:
-            if e.get("ph") == "X" and "dur" in e and id(e) not in gpu_ids:
-                host[e.get("name", "")[:70]].append(e["dur"])
-        print(f"{'host event':70s} {'count':>6s} {'median us':>9s} {'total us':>9s}")
-        for name, durs in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:30]:
-            print(f"{name:70s} {len(durs):6d} {np.median(durs):9.1f} {sum(durs):9.1f}")
+        print_by_name("host event", [e for e in events if e.get("ph") == "X" and "dur" in e and id(e) not in gpu_ids],
+                      30)
     # The last chain call: device events in start order, with the gap before each.
     gpu.sort(key=lambda e: e["ts"])
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]

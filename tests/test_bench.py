@@ -214,7 +214,6 @@ def test_baseline_round_trip_fp8_with_scales(make_mesh, rng):
 def test_round_trip_chain_keeps_every_round_trip(backend, make_mesh):
     """XLA runs n chained round trips as n (none merged with another for identical inputs, none dropped as unused),
     and the bench's check says so; a chain tied only by optimization barriers is merged, and the check says that."""
-
     mesh = make_mesh(2)
     cfg, T, n = bench.QUICK_CONFIGS["r1"], 8, 3
     rng = bench.seeded(1)
@@ -251,7 +250,6 @@ def test_round_trip_chain_keeps_every_round_trip(backend, make_mesh):
 
 def test_weights_to_dispatch_gives_the_same_round_trips(make_mesh):
     """--weights-to dispatch: the MoEComm backends get the weights with dispatch; the chain's result is the same."""
-
     mesh = make_mesh(2)
     cfg, T = bench.QUICK_CONFIGS["r1"], 8
     rng = bench.seeded(2)
@@ -270,12 +268,10 @@ def test_weights_to_dispatch_gives_the_same_round_trips(make_mesh):
 def test_floor_backends_need_the_nvshmem_backend(make_mesh):
     """The floor probes (ffi/probe.cu: fence and signal, or flagged words) run only where the NVSHMEM backend does;
     elsewhere they are listed as unavailable with the NVSHMEM backend's reason."""
-
     available, why_not = bench.available_backends(make_mesh(2), "no GPU here")
     for probe in ("floor", "floor_flagged"):
         assert probe not in available and why_not[probe] == why_not["nvshmem"] == "no GPU here"
     assert bench.parse_args(["--backends", "floor,floor_flagged"]).backends == ["floor", "floor_flagged"]
-
 
 
 def test_timing_note_says_when_repeats_fall_below_the_resolution():
