@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-BACKEND_ORDER = ("nvshmem", "floor", "floor_flagged", "reference", "ragged", "padded")
+BACKEND_ORDER = ("nvshmem", "nvshmem_unchecked", "floor", "floor_flagged", "reference", "ragged", "padded")
 
 
 def newest_record(results: Path) -> Path:

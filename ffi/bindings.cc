@@ -3,6 +3,7 @@
 // release the GIL, so a JAX host callback (which needs it) can still run meanwhile.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/string.h>
@@ -65,18 +66,43 @@ NB_MODULE(_nvshmem_ext, m) {
   m.def("finalize", &jmc::finalize, nb::call_guard<nb::gil_scoped_release>());
   m.def("host_version", &jmc::host_version, "(major, minor, patch) of the loaded libnvshmem_host.");
   m.def("sm_count", &jmc::sm_count);
-  m.def("symmetric_bytes", [](const std::map<std::string, int64_t>& sizes) {
-    return jmc::symmetric_bytes(sizes_from(sizes));
-  });
-  m.def("create_context", [](const std::map<std::string, int64_t>& sizes) {
+  m.def("constants", [] {
+    return std::map<std::string, int>{{"status_words", jmc::kStatusWords},
+                                      {"max_experts_per_token", jmc::kMaxExpertsPerToken},
+                                      {"fatal_codes", jmc::kFatalCodes}, {"refused", jmc::kRefused}};
+  }, "Protocol constants of the kernels (jax_moe_comm/errors.py checks its own against them).");
+  m.def("set_messages", [](const std::string& header, const std::map<int32_t, std::string>& parts,
+                           const std::string& joiner, const std::string& fatal_suffix,
+                           const std::vector<std::string>& phases) {
+    jmc::set_messages(jmc::Messages{header, joiner, fatal_suffix, parts, phases});
+  }, "The texts of failures raised by the check handler (from jax_moe_comm/errors.py).");
+  m.def("describe_failure", &jmc::describe_failure, "A failure's text, as the check handler raises it.");
+  m.def("create_context", [](const std::map<std::string, int64_t>& sizes,
+                             const std::map<std::string, std::pair<size_t, size_t>>& layout, bool staged) {
     std::string error;
-    jmc::Context* ctx = jmc::create_context(sizes_from(sizes), &error);
+    jmc::Context* ctx;
+    {
+      nb::gil_scoped_release released;
+      ctx = jmc::create_context(sizes_from(sizes), layout, staged, &error);
+    }
     if (ctx == nullptr) throw std::runtime_error("jax_moe_comm: " + error);
     return reinterpret_cast<intptr_t>(ctx);
-  }, nb::call_guard<nb::gil_scoped_release>(),
-        "Collective: allocate one MoEComm's symmetric buffers; returns the context address for the handlers.");
+  }, nb::arg("sizes"), nb::arg("layout"), nb::arg("staged") = false,
+        "Collective: allocate one MoEComm's symmetric buffers (layout: name -> (offset, bytes)); returns the "
+        "context address for the handlers.");
   m.def("destroy_context", [](intptr_t ctx) { jmc::destroy_context(reinterpret_cast<jmc::Context*>(ctx)); },
         nb::call_guard<nb::gil_scoped_release>(), "Collective: free a context's symmetric buffers.");
+  m.def("reset_context", [](intptr_t ctx) {
+    std::string error;
+    {
+      nb::gil_scoped_release released;
+      error = jmc::reset_context(reinterpret_cast<jmc::Context*>(ctx));
+    }
+    if (!error.empty()) throw std::runtime_error("jax_moe_comm: reset: " + error);
+  }, "Collective: after a failure, the context as created (waits for this device first).");
+  m.def("host_failure", [](intptr_t ctx) { return jmc::host_failure(reinterpret_cast<jmc::Context*>(ctx)); },
+        "The first failure the device has told the host of and not yet cleared (status words; code 0: none).");
+  m.def("clear_host_failure", [](intptr_t ctx) { jmc::clear_host_failure(reinterpret_cast<jmc::Context*>(ctx)); });
   m.def("context_p2p", [](intptr_t ctx) { return reinterpret_cast<jmc::Context*>(ctx)->p2p; },
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
   m.def("take_kernel_marks", [](intptr_t ctx) {
@@ -97,6 +123,7 @@ NB_MODULE(_nvshmem_ext, m) {
         {"combine_recv", nb::capsule(reinterpret_cast<void*>(jmc_combine_recv))},
         {"dispatch", nb::capsule(reinterpret_cast<void*>(jmc_dispatch))},
         {"combine", nb::capsule(reinterpret_cast<void*>(jmc_combine))},
-        {"probe", nb::capsule(reinterpret_cast<void*>(jmc_probe))}};
+        {"probe", nb::capsule(reinterpret_cast<void*>(jmc_probe))},
+        {"check", nb::capsule(reinterpret_cast<void*>(jmc_check))}};
   }, "XLA FFI handler capsules for jax.ffi.register_ffi_target(..., platform='CUDA').");
 }

@@ -11,15 +11,19 @@
 namespace jmc {
 namespace {
 
-// Out of protocol order: the send status says so; nothing is received.
-__device__ inline void skip_receive(const CombineRecvArgs& recv) {
-  if (blockIdx.x == 0 && threadIdx.x < kStatusWords) recv.status[threadIdx.x] = 0;
+// The send did not run (refused, or out of protocol order: the send status says so): neither does the receive, whose
+// end still ends the round trip (finish_phase), and y is NaN.
+template <typename Out>
+__device__ inline void skip_receive(const Context& ctx, const CombineRecvArgs& recv) {
+  fill_nan<Out>(ctx, recv.out, true);
+  if (threadIdx.x == 0) refuse(ctx, kCombineRecv);  // the round trip's status: failed
+  finish_phase(ctx, kCombineRecv, recv.status);
 }
 
 // Rows per slot (expert_y of type In), summed with the weights into Out.
 template <typename In, typename Out>
 __global__ void combine_kernel(Context ctx, CombineSendArgs send, CombineRecvArgs recv) {
-  if (!combine_send_rows(ctx, send, false)) return skip_receive(recv);
+  if (!combine_send_rows(ctx, send, false)) return skip_receive<Out>(ctx, recv);
   mark(ctx, kCombineRecv, kStart);  // no second order check: the receive's end moves the protocol past both
   receive_combined<In, Out>(ctx, recv);
 }
@@ -29,7 +33,7 @@ __global__ void combine_kernel(Context ctx, CombineSendArgs send, CombineRecvArg
 template <typename In, typename Out>
 __global__ void __launch_bounds__(kThreads, 2)
     combine_reduced_kernel(Context ctx, CombineSendArgs send, CombineRecvArgs recv) {
-  if (!combine_send_reduced<In, Out>(ctx, send, false)) return skip_receive(recv);
+  if (!combine_send_reduced<In, Out>(ctx, send, false)) return skip_receive<Out>(ctx, recv);
   mark(ctx, kCombineRecv, kStart);
   receive_combined<Out, Out>(ctx, recv);
 }

@@ -6,7 +6,10 @@ namespace {
 
 template <typename In, typename Out>
 __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
-  if (begin_phase(ctx, kCombineRecv, a.status)) receive_combined<In, Out>(ctx, a);
+  if (begin_phase(ctx, kCombineRecv, a.status))
+    receive_combined<In, Out>(ctx, a);
+  else
+    fill_nan<Out>(ctx, a.out, true);  // refused: no result
 }
 
 // The kernel instantiation for (row dtype in flight, output dtype).

@@ -95,19 +95,30 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
   }
 }
 
-// Rows per slot: waits for token t's live slots, then acc += w[k] * row(t, k), slots in order 0..K-1 like the
-// reference.
+// Rows per slot: waits for each of token t's live slots' flags (this epoch's: landed, or dropped by the expert rank
+// for capacity), then acc += w[k] * row(t, k) over the landed ones, slots in order 0..K-1 like the reference.
 template <typename In>
 __device__ inline void add_slots(const Context& ctx, const int32_t* ids, const float* weights, int t, int c0,
-                                 float* acc, bool vector, int cols, int32_t* status) {
+                                 float* acc, bool vector, int cols) {
   const Sizes& s = ctx.s;
-  const unsigned live_mask = live_slots(ids, s.experts_per_token, s.num_experts);
-  int first_remote_peer = s.rank;  // named by a timeout
-  for (unsigned m = live_mask; m && first_remote_peer == s.rank; m &= m - 1)
-    first_remote_peer = ids[__ffs(m) - 1] / s.local_experts;
-  if (!wait_at_least(ctx.combine_arrived + t, __popc(live_mask), s, status, kCombineRecv, first_remote_peer)) return;
+  const int K = s.experts_per_token;
+  const uint64_t arrived = tagged(current_epoch(ctx), kSlotLanded);
+  const uint64_t* flags = ctx.combine_flags + static_cast<size_t>(t) * K;
+  const unsigned live = live_slots(ids, K, s.num_experts);
+  // Every live slot's flag loaded at once (their loads in flight together), then a wait for any not there yet.
+  uint64_t seen[kUnrolledSlots];
+#pragma unroll
+  for (int k = 0; k < kUnrolledSlots; ++k) seen[k] = k < K && (live >> k & 1u) ? load_relaxed(flags + k) : 0;
+  acquire_fence();  // the rows below are read after the flags that say they landed
+  unsigned live_mask = 0;  // the live slots whose rows landed
+  for (unsigned m = live; m; m &= m - 1) {
+    const int k = __ffs(m) - 1;
+    uint64_t flag = k < kUnrolledSlots ? seen[k] : 0;
+    if (flag < arrived && !(flag = wait_for(ctx, flags + k, arrived, kCombineRecv, ids[k] / s.local_experts))) return;
+    if (value_of(flag) == kSlotLanded) live_mask |= 1u << k;
+  }
   mark(ctx, kCombineRecv, kStep1);  // block 0's (last) token's rows arrived
-  const char* slots = ctx.combine_slots + static_cast<size_t>(t) * s.experts_per_token * s.combine_stride;
+  const char* slots = ctx.combine_slots + static_cast<size_t>(t) * K * s.combine_stride;
   const auto slot_row = [&](int k) {
     return reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
   };
@@ -119,8 +130,8 @@ __device__ inline void add_slots(const Context& ctx, const int32_t* ids, const f
     return;
   }
   // kSlotBatch slots' chunks are loaded before any is added (loads in flight); slots are still added in order.
-  const auto is_live = [&](int k) { return k < s.experts_per_token && (live_mask >> k & 1u); };
-  for (int k0 = 0; k0 < s.experts_per_token; k0 += kSlotBatch) {
+  const auto is_live = [&](int k) { return k < K && (live_mask >> k & 1u); };
+  for (int k0 = 0; k0 < K; k0 += kSlotBatch) {
     Chunk<In> v[kSlotBatch];
 #pragma unroll
     for (int b = 0; b < kSlotBatch; ++b)
@@ -135,18 +146,46 @@ __device__ inline void add_slots(const Context& ctx, const int32_t* ids, const f
   }
 }
 
+// The round trip's status on every rank alike: the lowest rank's first failure of this epoch, as every rank
+// published it before its sync flag (which block 0 has waited for from every peer), into combine_recv's scratch.
+JMC_COLD void merge_round_failures(const Context& ctx) {
+  const uint32_t epoch = current_epoch(ctx);
+  const int32_t* entries = ctx.round_failures + (epoch & 1u) * ctx.s.world * kStatusWords;
+  for (int pe = 0; pe < ctx.s.world; ++pe) {
+    const volatile int32_t* entry = entries + pe * kStatusWords;
+    if (entry[kCode] == 0 || static_cast<uint32_t>(entry[kEpochWord]) != epoch) continue;
+    int32_t words[kStatusWords];
+    for (int i = 0; i < kStatusWords; ++i) words[i] = entry[i];
+    record(phase_status(ctx, kCombineRecv), words);
+    return;
+  }
+}
+
+// Every byte of y as 0xff: NaN in every output dtype. The result of a round trip that failed, on every rank.
+template <typename Out>
+__device__ inline void fill_nan(const Context& ctx, void* out, bool whole_grid) {
+  const size_t words = static_cast<size_t>(ctx.s.max_tokens) * ctx.s.hidden * sizeof(Out) / 4;
+  const size_t first = whole_grid ? blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x : threadIdx.x;
+  const size_t stride = whole_grid ? static_cast<size_t>(gridDim.x) * blockDim.x : blockDim.x;
+  for (size_t i = first; i < words; i += stride) static_cast<uint32_t*>(out)[i] = 0xffffffffu;
+  if (threadIdx.x == 0 && (!whole_grid || blockIdx.x == 0))  // a tail of less than 4 bytes (odd fp16/bf16 sizes)
+    for (size_t b = words * 4; b < static_cast<size_t>(ctx.s.max_tokens) * ctx.s.hidden * sizeof(Out); ++b)
+      static_cast<uint8_t*>(out)[b] = 0xff;
+}
+
 // The phase after its protocol-order check (combine_recv.cu), or right after the send in the fused combine
 // (combine.cu).
 template <typename In, typename Out>
 __device__ inline void receive_combined(const Context& ctx, const CombineRecvArgs& a) {
   const Sizes& s = ctx.s;
-  int32_t* status = phase_status(ctx, kCombineRecv);
+  const uint64_t signalled = tagged(current_epoch(ctx), 1);
   const int K = s.experts_per_token;
   const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
   // Whole-chunk vector loads/stores need every row start 16-byte aligned (slot rows are; output rows need this).
   const bool vector_ok = s.hidden % kChunk == 0 && (s.hidden * sizeof(Out)) % 16 == 0;
   if (a.reduced) {  // one partial row per expert rank, all signalled at once by each rank's combine_send
-    if (threadIdx.x < s.world) wait_at_least(ctx.partials_ready + threadIdx.x, 1, s, status, kCombineRecv, threadIdx.x);
+    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
+      wait_for(ctx, ctx.partials_ready + pe, signalled, kCombineRecv, pe);
     __syncthreads();
     mark(ctx, kCombineRecv, kWaited);
     sum_partial_rows<In, Out>(ctx, a, num_tokens, vector_ok);
@@ -161,7 +200,7 @@ __device__ inline void receive_combined(const Context& ctx, const CombineRecvArg
       float acc[kChunk] = {};
       if (t < num_tokens)
         add_slots<In>(ctx, a.topk_ids + static_cast<size_t>(t) * K, a.topk_weights + static_cast<size_t>(t) * K, t, c0,
-                      acc, vector_ok, cols, status);
+                      acc, vector_ok, cols);
       store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector_ok, cols);
       mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
     }
@@ -169,17 +208,24 @@ __device__ inline void receive_combined(const Context& ctx, const CombineRecvArg
 
   mark(ctx, kCombineRecv, kWorked);
 
-  // The global barrier (block 0, one thread per peer).
-  if (blockIdx.x == 0 && threadIdx.x < s.world && threadIdx.x != s.rank) {
-    if (wait_at_least(ctx.sync_flags + threadIdx.x, 1, s, status, kCombineRecv, threadIdx.x))
-      ctx.sync_flags[threadIdx.x] = 0;
+  // The global barrier (block 0, a thread per peer): every peer has read its dispatch buffers, so our next
+  // dispatch_send may write them, and has published its failures of this round trip, which block 0 merges.
+  if (blockIdx.x == 0) {
+    bool all_here = true, published = threadIdx.x == 0 && __ldg(&ctx.local->published) == current_epoch(ctx);
+    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x) {
+      if (pe == s.rank) continue;
+      const uint64_t flag = wait_for(ctx, ctx.sync_flags + pe, signalled, kCombineRecv, pe);
+      all_here &= flag != 0;
+      published |= (value_of(flag) & kPublishedFailure) != 0;
+    }
+    const bool all = __syncthreads_and(all_here), any = __syncthreads_or(published);
+    if (all && any && threadIdx.x == 0) merge_round_failures(*ctx.on_device);
   }
 
-  // Every block has read its tokens' counters: the last one resets them for the next round trip (peers add to
-  // them again only after our next dispatch_send, which the stream runs after this kernel).
-  if (finish_phase(ctx, kCombineRecv, a.status)) {
-    for (int t = threadIdx.x; t < s.max_tokens; t += blockDim.x) ctx.combine_arrived[t] = 0;
-    for (int r = threadIdx.x; r < s.world; r += blockDim.x) ctx.weights_ready[r] = ctx.partials_ready[r] = 0;
+  // A round trip that failed anywhere gives NaN here, on every rank alike.
+  int32_t code;
+  if (finish_phase(ctx, kCombineRecv, a.status, true, &code)) {
+    if (code != 0) fill_nan<Out>(ctx, a.out, false);
     mark(ctx, kCombineRecv, kEnd, true);
   }
 }

@@ -19,33 +19,46 @@ constexpr int kExpertRowsInFlight = 2;  // pre-reduced rows: expert rows whose c
 // Column segments of a pre-reduced row (a warp's work item is one segment of one token).
 __host__ __device__ inline int row_segments(const Sizes& s) { return (s.hidden + kSegCols - 1) / kSegCols; }
 
-// Rows per slot, a warp per row. False when the phase did not run (out of protocol order). `advance`: move the
-// protocol on at the end (finish_phase; false in the fused combine).
+// Our sync flag, SET on every peer: this rank has finished reading its dispatch buffers of this round trip (its
+// dispatch_recv has: same stream), so a peer's next dispatch_send may write them. kPublishedFailure: this rank
+// published a failure of this round trip (before: its dispatch phases' ends), which the peers' combine_recv merges.
+__device__ inline void signal_done_reading(const Context& ctx) {
+  const uint32_t epoch = current_epoch(ctx);
+  const uint64_t done = tagged(epoch, 1 | (__ldg(&ctx.local->published) == epoch ? kPublishedFailure : 0));
+  for (int pe = threadIdx.x; pe < ctx.s.world; pe += blockDim.x)
+    if (pe != ctx.s.rank) signal_peer(ctx, ctx.sync_flags + ctx.s.rank, done, pe);
+}
+
+// The (group, slot) a row's origin names, or false for none or one outside this MoEComm's slots (a handle of
+// another MoEComm): never an address out of bounds.
+__device__ inline bool origin_slot(const Sizes& s, int origin, int* group, int* slot) {
+  const int slots_per_group = s.max_tokens * s.experts_per_token;
+  if (origin < 0 || origin >= s.num_dp * slots_per_group) return false;
+  *group = origin / slots_per_group;
+  *slot = origin % slots_per_group;
+  return true;
+}
+
+// Rows per slot, a warp per row, each followed by its slot's flag (tagged with the epoch). False when the phase did
+// not run (refused or out of protocol order). `advance`: move the protocol on at the end (finish_phase; false in the
+// fused combine).
 __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendArgs& a, bool advance) {
   const Sizes& s = ctx.s;
   if (!begin_phase(ctx, kCombineSend, a.status)) return false;
   if (blockIdx.x == gridDim.x - 1) {  // the last block, so that block 0 starts on the first rows meanwhile
-    // dispatch_recv (finished: same stream) has read every ready word: reset them before the sync flag lets a
-    // peer start its next dispatch_send.
-    for (int src = threadIdx.x; src < s.world; src += blockDim.x) ctx.dispatch_ready[src] = 0;
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x < s.world && threadIdx.x != s.rank)
-      signal_peer(ctx, ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    signal_done_reading(ctx);
     mark(ctx, kCombineSend, kWaited, true);
   }
+  const uint64_t landed = tagged(current_epoch(ctx), kSlotLanded);
 
   const int lane = threadIdx.x % 32;
   const int warps_per_block = blockDim.x / 32;
   const int gwarp = blockIdx.x * warps_per_block + threadIdx.x / 32;
   const int nwarps = gridDim.x * warps_per_block;
   const int row_bytes = s.hidden * a.elem_bytes;
-  const int slots_per_group = s.max_tokens * s.experts_per_token;
   for (int p = gwarp; p < s.capacity; p += nwarps) {
-    const int origin = a.row_origin[p];
-    if (origin < 0) continue;
-    const int group = origin / slots_per_group, slot = origin % slots_per_group;
-    const int token = slot / s.experts_per_token;
+    int group, slot;
+    if (!origin_slot(s, a.row_origin[p], &group, &slot)) continue;
     const char* row = static_cast<const char*>(a.expert_y) + static_cast<size_t>(p) * row_bytes;
     char* dst = ctx.combine_slots + static_cast<size_t>(slot) * s.combine_stride;
     if (ctx.p2p) {  // NVLink: store the row straight into each replica's slot, then signal
@@ -55,19 +68,19 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
       __threadfence_system();
       __syncwarp();
       if (lane == 0)
-        for (int j = 0; j < s.dp_size; ++j)
-          signal_peer(ctx, ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD, group * s.dp_size + j);
+        for (int j = 0; j < s.dp_size; ++j) signal_peer(ctx, ctx.combine_flags + slot, landed, group * s.dp_size + j);
       mark(ctx, kCombineSend, kStep2);  // and signalled
     } else {  // stage into symmetric memory: a put's source must be symmetric on other transports
       char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
       warp_copy(staged, row, row_bytes, lane);
       __syncwarp();
       for (int j = 0; j < s.dp_size; ++j)
-        nvshmemx_putmem_signal_nbi_warp(dst, staged, row_bytes, ctx.combine_arrived + token, 1, NVSHMEM_SIGNAL_ADD,
+        nvshmemx_putmem_signal_nbi_warp(dst, staged, row_bytes, ctx.combine_flags + slot, landed, NVSHMEM_SIGNAL_SET,
                                         group * s.dp_size + j);
     }
   }
   mark(ctx, kCombineSend, kWorked);
+  if (!ctx.p2p) nvshmem_quiet();  // this thread's puts have completed before the phase counts as done
   if (finish_phase(ctx, kCombineSend, a.status, advance)) mark(ctx, kCombineSend, kEnd, true);
   return true;
 }
@@ -82,12 +95,12 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
 //      expert is here, in slot order, in fp32; store the sum (Partial) into every replica of the token's group, at
 //      combine_partials[this rank][token].
 //   4. The last block SETs partials_ready and the sync flag ("done reading your dispatch buffers": the ids rows
-//      are read in 3) on every rank, and resets the dispatch ready words, read in 1 by every block.
+//      are read in 3) on every rank. Every word is tagged with the round trip's epoch.
 template <typename In, typename Partial>
 __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSendArgs& a, bool advance) {
   const Sizes& s = ctx.s;
-  int32_t* status = phase_status(ctx, kCombineSend);
   if (!begin_phase(ctx, kCombineSend, a.status)) return false;
+  const uint32_t epoch = current_epoch(ctx);
   const int K = s.experts_per_token, T = s.max_tokens, replica = s.rank % s.dp_size;
   const int lane = threadIdx.x % 32;
   const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
@@ -117,10 +130,11 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
 
   // 2. Weights: ours are everywhere; wait for every source's (a thread per source, in every block).
   if (!a.weights_sent) {
-    if (blockIdx.x == 0 && threadIdx.x < s.world)
-      signal_peer(ctx, ctx.weights_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
-    if (threadIdx.x < s.world)
-      wait_at_least(ctx.weights_ready + threadIdx.x, 1, s, status, kCombineSend, threadIdx.x);
+    if (blockIdx.x == 0)
+      for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
+        signal_peer(ctx, ctx.weights_ready + s.rank, tagged(epoch, 1), pe);
+    for (int src = threadIdx.x; src < s.world; src += blockDim.x)
+      wait_for(ctx, ctx.weights_ready + src, tagged(epoch, 1), kCombineSend, src);
   }
   __syncthreads();
   mark(ctx, kCombineSend, kWaited);
@@ -220,14 +234,13 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   __threadfence_system();  // this thread's partial rows reach every peer before the signals below
   mark(ctx, kCombineSend, kClosed);
 
-  // 4. Done: partial rows landed, dispatch buffers read.
-  if (finish_phase(ctx, kCombineSend, a.status, advance)) {
-    for (int src = threadIdx.x; src < s.world; src += blockDim.x) ctx.dispatch_ready[src] = 0;
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x < s.world) {
-      signal_peer(ctx, ctx.partials_ready + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
-      if (threadIdx.x != s.rank) signal_peer(ctx, ctx.sync_flags + s.rank, 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+  // 4. Done: partial rows landed, dispatch buffers read (unless some block gave up: then peers give up too).
+  int32_t code;
+  if (finish_phase(ctx, kCombineSend, a.status, advance, &code)) {
+    if (completed(code)) {
+      for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
+        signal_peer(ctx, ctx.partials_ready + s.rank, tagged(epoch, 1), pe);
+      signal_done_reading(ctx);
     }
     mark(ctx, kCombineSend, kEnd, true);
   }

@@ -14,29 +14,51 @@
 
 namespace jmc {
 
-// Error codes shared with jax_moe_comm/errors.py (status[0] is a bit set).
+// Error codes shared with jax_moe_comm/errors.py (status[0] is a bit set). The first three are routing errors: the
+// round trip still completes on every rank (offending rows dropped). The others are protocol failures: after one the
+// MoEComm refuses every phase (kRefused) until it is reset.
 enum ErrorCode : int32_t {
   kBadExpertId = 1,
   kRepeatedExpertId = 2,
   kCapacityOverflow = 4,
   kTimeout = 8,
   kOutOfOrder = 16,
+  kRefused = 32,  // set on the copy of the failure that a refused phase reports
 };
+constexpr int32_t kFatalCodes = kTimeout | kOutOfOrder;
 
-// Phases, for timeout messages (status[1] when kTimeout is set).
+// Phases, for messages (status[1]).
 enum Phase : int32_t { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
 constexpr int kPhases = 4;
 
-// status[4] int32 written by every kernel: {code, phase, detail_a, detail_b}. For kTimeout detail_a is the
-// peer waited for; for id errors (token, id); for overflow (rows needed, capacity); for kOutOfOrder (the phase
-// the MoEComm expected next, the phase that ran).
-constexpr int kStatusWords = 4;
+// A status, int32[kStatusWords]: {code, phase, rank that found it, detail_a, detail_b, epoch, 0, 0}. For kTimeout
+// detail_a is the peer waited for; for id errors (token, id); for overflow (rows needed, capacity); for kOutOfOrder
+// (the phase the MoEComm expected next, the phase that ran). The epoch is the round trip's (below).
+constexpr int kStatusWords = 8;
+enum StatusWord : int { kCode = 0, kPhaseWord = 1, kRankWord = 2, kDetailA = 3, kDetailB = 4, kEpochWord = 5 };
+
+// Every word a rank waits for carries the round trip's epoch in its high 32 bits (a per-MoEComm count of round
+// trips, 1 for the first, the same on every rank): a write of an earlier round trip can never satisfy a later wait,
+// and no word is ever reset. The low 32 bits carry a value (a token count, a slot's state).
+JMC_HOST_DEVICE inline uint64_t tagged(uint32_t epoch, uint32_t value) {
+  return static_cast<uint64_t>(epoch) << 32 | value;
+}
+JMC_HOST_DEVICE inline uint32_t epoch_of(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
+JMC_HOST_DEVICE inline uint32_t value_of(uint64_t word) { return static_cast<uint32_t>(word); }
+// A dispatch ready word's value: the source's token count, with kRowsLanded once its rows have landed too (the
+// ids-first dispatch SETs it twice; otherwise one SET says both).
+constexpr uint32_t kRowsLanded = 1u << 31;
+JMC_HOST_DEVICE inline int token_count(uint64_t ready) { return static_cast<int>(value_of(ready) & ~kRowsLanded); }
+// A combine slot flag's value: the row landed, or it was dropped by the expert rank (capacity): no row comes.
+constexpr uint32_t kSlotLanded = 1, kSlotDropped = 2;
+// A sync flag's value besides 1: its rank published a failure of this round trip (round_failures).
+constexpr uint32_t kPublishedFailure = 2;
 
 // Kernel marks (JAX_MOE_COMM_KERNEL_MARKS=1): globaltimer stamps of each phase's steps, for the kernel harness's
 // --marks table. Stamped by thread 0 of block 0, except kAllDone and kEnd (the last block) and the per-slot
-// combine_send's kWaited (its last block, which resets the ready words and signals the sync flags). kStep1 and
-// kStep2 are points inside a kernel's work (between kWaited and kWorked), each kernel says which; inside a loop the
-// last iteration of thread 0 stamps them (at one token per rank, its only one).
+// combine_send's kWaited (its last block, which signals the sync flags). kStep1 and kStep2 are points inside a
+// kernel's work (between kWaited and kWorked), each kernel says which; inside a loop the last iteration of thread 0
+// stamps them (at one token per rank, its only one).
 enum Mark : int32_t { kStart = 0, kWaited = 1, kWorked = 2, kClosed = 3, kAllDone = 4, kEnd = 5, kStep1 = 6, kStep2 = 7 };
 constexpr int kMarks = 8;
 
@@ -59,6 +81,35 @@ constexpr int kThreads = 256;  // threads per block of every kernel (8 warps)
 constexpr int kMaxBlocksPerSm = 2048 / kThreads;  // resident blocks of kThreads an SM can hold
 constexpr int kIdsFirstMinTokens = 1024;  // Context::ids_first: a grid barrier and a second signal more per dispatch
 
+// The local words of a MoEComm (device memory, never addressed by peers), in one struct at the end of the
+// allocation.
+struct LocalWords {
+  int32_t scratch[kPhases][kStatusWords];  // errors of the running call; the phase's last block copies them to the
+                                           // call's status output and clears them (no memset per call)
+  unsigned blocks_done[kPhases];           // blocks of the running call that have finished
+  int32_t next_phase;                      // the phase this MoEComm runs next: one round trip at a time, in order
+  uint32_t epoch;                          // the running round trip's epoch (1 for the first)
+  uint32_t published;                      // the last epoch whose first failure this rank published to its peers
+  int32_t fatal[kStatusWords];             // the first protocol failure (own or a peer's): every later phase refuses
+  unsigned host_lock;                      // held while a thread writes HostWords::failure
+  int32_t refusing;                        // set by a kernel's last block once `fatal` is or the abort word is: the
+                                           // next kernels refuse (every block of a kernel reads the same value)
+  uint32_t probe_epoch;                    // probes (ffi/probe.cu) this MoEComm has run
+  unsigned probe_blocks[2];                // blocks of the running probe past its send, past its copy
+};
+
+// Mapped pinned host memory (read by the host with no synchronisation; the device writes it).
+struct HostWords {
+  int32_t failure[kStatusWords];  // the first failure not yet raised (routing or protocol), its epoch included
+  uint32_t done;                  // the epoch of the last round trip whose combine_recv has finished
+};
+
+// Host-only state of a context (the FFI check handler's; never read by a kernel).
+struct HostState {
+  uint32_t launched = 0;   // round trips this process has launched (checked) since creation or reset
+  int64_t execution = -1;  // the XLA execution (run id) of the last check
+};
+
 struct Context {
   Sizes s;
   // Symmetric (same offsets on every rank).
@@ -66,26 +117,28 @@ struct Context {
   char* dispatch_slots;       // [world][slots_per_source] token strides: a source's token i, once per rank
   int32_t* dispatch_ids;      // [world][slots_per_source][K] every token's ids (which slots hold a row, and for
                               // which local experts)
-  uint64_t* dispatch_ready;   // [world] source's token count + 1, SET once all its rows and ids have landed
+  uint64_t* dispatch_ready;   // [world] tagged(epoch, token count [| kRowsLanded]), SET once its rows and ids landed
   char* combine_staging;      // [capacity] combine rows, this rank's expert outputs
   char* combine_slots;        // [max_tokens][K] combine rows arriving here
-  uint64_t* combine_arrived;  // [max_tokens] rows landed per token
-  uint64_t* sync_flags;       // [world] 1 = that peer finished reading its dispatch buffers
+  uint64_t* combine_flags;    // [max_tokens][K] tagged(epoch, kSlotLanded | kSlotDropped), SET after the slot's row
+  uint64_t* sync_flags;       // [world] tagged(epoch, 1): that peer finished reading its dispatch buffers
   // The pre-reduced combine (weights given to combine_send; NVLink path): one row per (token, expert rank).
   float* combine_weights;     // [world][slots_per_source][K] a source's topk weights of its token i
-  uint64_t* weights_ready;    // [world] 1 once that source's weights landed here
+  uint64_t* weights_ready;    // [world] tagged(epoch, 1) once that source's weights landed here
   char* combine_partials;     // [world][max_tokens] combine rows: rank r's weighted sum of token t's rows on r
-  uint64_t* partials_ready;   // [world] 1 once every partial row from that rank landed here
+  uint64_t* partials_ready;   // [world] tagged(epoch, 1) once every partial row from that rank landed here
   uint64_t* probe_ready;      // [world] the epoch of the last probe (ffi/probe.cu) whose bytes landed from that rank
+  int32_t* round_failures;    // [2][world][kStatusWords] by epoch parity: source s's first failure of that round trip
+                              // (a routing error or overflow), published before its next signal
+  int32_t* fatal_failures;    // [world][kStatusWords] source s's protocol failure, published before the abort word
+  uint64_t* abort_word;       // [1] non-zero once some rank has failed for good: every wait gives up at once
   // Local only (never addressed by peers).
-  int32_t* status_scratch;    // [4 phases][kStatusWords] errors of the running call; the phase's last block
-                              // copies them to the call's status output and clears them (no memset per call)
-  unsigned* blocks_done;      // [4 phases] blocks of the running call that have finished
-  int32_t* next_phase;        // [1] the phase this MoEComm runs next: one round trip at a time, in phase order
-  uint32_t* probe_epoch;      // [1] probes (ffi/probe.cu) this MoEComm has run
-  unsigned* probe_blocks;     // [2] blocks of the running probe past its send, past its copy
   int32_t* row_of;            // [num_dp][max_tokens][K] packed row of (group, token, slot): row_origin inverted by
                               // the pre-reduced combine_send (entries are checked against row_origin before use)
+  LocalWords* local;
+  HostWords* host_words;      // device address of the mapped pinned host words
+  HostWords* host_view;       // the same words, host address (the check handler reads them)
+  HostState* host_state;
   uint64_t* marks;            // [4 phases][kMarks] (device memory, not symmetric), or null: no stamps
   int32_t* block_counts;      // [L * num_dp][kMaxBlocksPerSm * sm_count] (device memory, not symmetric; with
                               // ids_first, else null): rows of each (local expert, group) in each block's shares of
@@ -97,7 +150,9 @@ struct Context {
   bool ids_first;             // the fused dispatch sends every ids row before any row (dispatch.cu): NVLink, one
                               // replica per DP group, and JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS (default
                               // kIdsFirstMinTokens) tokens per rank or more (and block_counts allocated)
+  char* base;                 // the symmetric allocation
   size_t symmetric_bytes;
+  const Context* on_device;   // this struct's copy in device memory, for the kernels' failure paths (JMC_COLD)
 };
 
 // Offsets into the staged token stride.

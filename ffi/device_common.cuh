@@ -9,6 +9,12 @@
 
 namespace jmc {
 
+// The failure paths run rarely and are not inlined (inlined at every wait they raised the kernels' register use to
+// spilling). They read the context from its copy in device memory (Context::on_device): a kernel's parameter passed
+// by reference to a call would first be copied to the stack. Each has an inline wrapper of the same name without
+// the suffix, taking the kernel's context.
+#define JMC_COLD static __device__ __noinline__
+
 __device__ inline uint64_t now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -23,54 +29,160 @@ __device__ inline T* peer_ptr(const Context& ctx, T* ptr, int pe) {
   return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(ptr) + ctx.peer_offset[pe]);
 }
 
-// SETs or ADDs to rank pe's copy of a signal word. On NVLink (Context::p2p) a volatile store or a system-scope atomic
-// through peer_ptr, as nvshmemx_signal_op does there, without its first step: a load of the peer's heap base from
-// NVSHMEM's device state (a dependent load, ~0.35 us on a kernel's first pass: benchmarks/NOTES.md, entry 14). The
-// caller fences first, as with nvshmemx_signal_op.
-__device__ inline void signal_peer(const Context& ctx, uint64_t* word, uint64_t value, int op, int pe) {
-  if (!ctx.p2p) return nvshmemx_signal_op(word, value, op, pe);
-  uint64_t* dest = peer_ptr(ctx, word, pe);
-  if (op == NVSHMEM_SIGNAL_SET)
-    *reinterpret_cast<volatile uint64_t*>(dest) = value;
-  else
-    atomicAdd_system(reinterpret_cast<unsigned long long*>(dest), value);
+// SETs rank pe's copy of a signal word. On NVLink (Context::p2p) a volatile store through peer_ptr, as
+// nvshmemx_signal_op does there, without its first step: a load of the peer's heap base from NVSHMEM's device state
+// (a dependent load on a kernel's first pass). The caller fences first, as with nvshmemx_signal_op.
+__device__ inline void signal_peer(const Context& ctx, uint64_t* word, uint64_t value, int pe) {
+  if (!ctx.p2p) return nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe);
+  *reinterpret_cast<volatile uint64_t*>(peer_ptr(ctx, word, pe)) = value;
 }
 
-// A source's dispatch ready word: its token count + 1 in the low half (0: not yet) once its ids rows have landed,
-// with kRowsLanded set once its rows have too (on the ids-first dispatch, dispatch.cu, a second SET; otherwise one
-// SET of count + 1 says both).
-constexpr uint64_t kRowsLanded = 1ull << 32;
-__device__ inline int token_count(uint64_t ready) { return static_cast<int>(ready & 0xffffffffu) - 1; }
-
-// Records the first error of a call into status (the phase's scratch words); later errors keep the first.
-__device__ inline void report(int32_t* status, int32_t code, int32_t phase, int32_t a, int32_t b) {
-  if (atomicCAS(reinterpret_cast<int*>(&status[0]), 0, code) == 0) {
-    status[1] = phase;
-    status[2] = a;
-    status[3] = b;
+// Stores n int32 words into rank pe's copy of the symmetric `dst` (stores through NVLink, else puts of values).
+__device__ inline void put_words(const Context& ctx, int32_t* dst, const int32_t* src, int n, int pe) {
+  if (ctx.p2p) {
+    volatile int32_t* d = peer_ptr(ctx, dst, pe);
+    for (int i = 0; i < n; ++i) d[i] = src[i];
   } else {
-    atomicOr(reinterpret_cast<int*>(&status[0]), code);
+    for (int i = 0; i < n; ++i) nvshmem_int32_p(dst + i, src[i], pe);
   }
 }
 
-// Waits until *word >= value. Polls the local word with plain volatile loads so the wait can give up after
-// timeout_ns (reporting kTimeout naming `peer`); once satisfied, nvshmem_uint64_wait_until (which then returns
-// at once) gives the memory ordering that makes the signalled payload visible.
-__device__ inline bool wait_at_least(uint64_t* word, uint64_t value, const Sizes& s, int32_t* status,
-                                     Phase phase, int peer) {
-  volatile uint64_t* v = word;
-  if (*v < value) {
-    const uint64_t deadline = now_ns() + s.timeout_ns;
-    while (*v < value) {
-      if (now_ns() > deadline) {
-        report(status, kTimeout, phase, peer, s.rank);
-        return false;
-      }
-      __nanosleep(32);
-    }
+// This thread's stores or puts to peers are complete (puts) or ordered before its later stores (NVLink).
+__device__ inline void complete_remote_writes(const Context& ctx) {
+  if (ctx.p2p) __threadfence_system(); else nvshmem_quiet();
+}
+
+// The running round trip's epoch. Every kernel of round trip e reads e: only the end of combine_recv's last block
+// advances it, after every other block of the kernel has finished, so it is read through the read-only cache (an L1
+// hit after an SM's first read; it was written by an earlier kernel, and that cache starts empty in every kernel).
+__device__ inline uint32_t current_epoch(const Context& ctx) { return __ldg(&ctx.local->epoch); }
+
+// A word that peers SET, read with acquire semantics at system scope: the loads after it (a signalled row, a count)
+// cannot be served before it. Acquire loads are performed one after the other: for several words at once, relaxed
+// loads (in flight together), then one acquire fence.
+__device__ inline uint64_t load_acquire(const uint64_t* word) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
+  return value;
+}
+__device__ inline uint64_t load_relaxed(const uint64_t* word) {
+  uint64_t value;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
+  return value;
+}
+// Orders this thread's loads after the flags it loaded before: the words land in this GPU's memory (a peer stores
+// them over NVLink after its system fence), so this GPU's scope suffices.
+__device__ inline void acquire_fence() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// Where a phase's kernel records errors while it runs.
+__device__ inline int32_t* phase_status(const Context& ctx, Phase phase) { return ctx.local->scratch[phase]; }
+
+// Records the first error of a call into its phase's scratch words; later errors add their code bits.
+__device__ inline void record(int32_t* status, const int32_t* words) {
+  if (atomicCAS(reinterpret_cast<int*>(&status[kCode]), 0, words[kCode]) == 0) {
+    for (int i = 1; i < kStatusWords; ++i) status[i] = words[i];
+  } else {
+    atomicOr(reinterpret_cast<int*>(&status[kCode]), words[kCode]);
   }
-  nvshmem_uint64_wait_until(word, NVSHMEM_CMP_GE, value);
-  return true;
+}
+
+__device__ inline void status_words(int32_t* words, const Context& ctx, int32_t code, Phase phase, int32_t a,
+                                    int32_t b) {
+  words[kCode] = code;
+  words[kPhaseWord] = phase;
+  words[kRankWord] = ctx.s.rank;
+  words[kDetailA] = a;
+  words[kDetailB] = b;
+  words[kEpochWord] = static_cast<int32_t>(current_epoch(ctx));
+  words[6] = words[7] = 0;
+}
+
+JMC_COLD void tell_host_cold(const Context& ctx, const int32_t* words);
+JMC_COLD void fail_for_good_cold(const Context& ctx, const int32_t* words, bool publish);
+JMC_COLD void adopt_peer_failure_cold(const Context& ctx);
+JMC_COLD void report_cold(const Context& ctx, Phase phase, int32_t code, int32_t a, int32_t b);
+JMC_COLD void refuse_cold(const Context& ctx, Phase phase);
+JMC_COLD void publish_round_failure_cold(const Context& ctx, const int32_t* words);
+
+// The inline wrappers of the failure paths (see JMC_COLD).
+__device__ inline void tell_host(const Context& ctx, const int32_t* words) { tell_host_cold(*ctx.on_device, words); }
+__device__ inline void fail_for_good(const Context& ctx, const int32_t* words, bool publish) {
+  fail_for_good_cold(*ctx.on_device, words, publish);
+}
+__device__ inline void adopt_peer_failure(const Context& ctx) { adopt_peer_failure_cold(*ctx.on_device); }
+__device__ inline void report(const Context& ctx, Phase phase, int32_t code, int32_t a, int32_t b) {
+  report_cold(*ctx.on_device, phase, code, a, b);
+}
+__device__ inline void refuse(const Context& ctx, Phase phase) { refuse_cold(*ctx.on_device, phase); }
+__device__ inline void publish_round_failure(const Context& ctx, const int32_t* words) {
+  publish_round_failure_cold(*ctx.on_device, words);
+}
+
+// The first failure not yet raised, into the mapped host words the check handler reads: the first one wins, but a
+// protocol failure replaces a routing error (the host must go on raising it until reset). The host reads the code
+// word first: it is written last. Writers take a device-memory lock (no atomics on host memory, which PCIe may not
+// provide); failures are rare, so a spin is fine.
+JMC_COLD void tell_host_cold(const Context& ctx, const int32_t* words) {
+  unsigned* lock = &ctx.local->host_lock;
+  while (atomicCAS(lock, 0u, 1u) != 0u) __nanosleep(64);
+  volatile int32_t* host = ctx.host_words->failure;
+  const int32_t held = host[kCode], code = words[kCode] & ~kRefused;
+  if (held == 0 || ((code & kFatalCodes) && !(held & kFatalCodes))) {
+    host[kCode] = 0;
+    __threadfence_system();
+    for (int i = 1; i < kStatusWords; ++i) host[i] = words[i];
+    __threadfence_system();
+    host[kCode] = code;
+    __threadfence_system();
+  }
+  atomicExch(lock, 0u);
+}
+
+// A protocol failure (timeout, out of order; `words`), found by this rank or adopted from a peer: kept in the local
+// fatal words (every later phase refuses), told to the host, and (when this rank found it) published to every peer
+// with its abort word SET, so that every rank's waits give up at once instead of timing out in turn.
+JMC_COLD void fail_for_good_cold(const Context& ctx, const int32_t* words, bool publish) {
+  int32_t* fatal = ctx.local->fatal;
+  if (atomicCAS(reinterpret_cast<int*>(&fatal[kCode]), 0, words[kCode]) != 0) return;  // failed already
+  for (int i = 1; i < kStatusWords; ++i) reinterpret_cast<volatile int32_t*>(fatal)[i] = words[i];
+  __threadfence();
+  tell_host(ctx, words);
+  *reinterpret_cast<volatile uint64_t*>(ctx.abort_word) = 1;  // this kernel's other waits give up too
+  if (!publish) return;
+  int32_t* entry = ctx.fatal_failures + ctx.s.rank * kStatusWords;
+  for (int pe = 0; pe < ctx.s.world; ++pe) put_words(ctx, entry, words, kStatusWords, pe);
+  complete_remote_writes(ctx);
+  for (int pe = 0; pe < ctx.s.world; ++pe)
+    if (pe != ctx.s.rank) signal_peer(ctx, ctx.abort_word, 1, pe);
+}
+
+// The protocol failure that a peer published (the lowest rank's), adopted as this rank's own: after its abort word.
+JMC_COLD void adopt_peer_failure_cold(const Context& ctx) {
+  if (reinterpret_cast<volatile int32_t*>(ctx.local->fatal)[kCode] != 0) return;
+  __threadfence_system();  // the entries were published before the abort word that sent us here
+  for (int pe = 0; pe < ctx.s.world; ++pe) {
+    const volatile int32_t* entry = ctx.fatal_failures + pe * kStatusWords;
+    if (entry[kCode] == 0) continue;
+    int32_t words[kStatusWords];
+    for (int i = 0; i < kStatusWords; ++i) words[i] = entry[i];
+    fail_for_good(ctx, words, false);
+    return;
+  }
+}
+
+// Records an error of `phase` found by this rank: routing errors stay in the call's status (and reach every rank
+// with the phase's end, publish_round_failure); protocol failures also fail the MoEComm for good.
+JMC_COLD void report_cold(const Context& ctx, Phase phase, int32_t code, int32_t a, int32_t b) {
+  int32_t words[kStatusWords];
+  status_words(words, ctx, code, phase, a, b);
+  record(phase_status(ctx, phase), words);
+  if (code & kFatalCodes) fail_for_good(ctx, words, true);
+}
+
+// True once this MoEComm has failed for good (its own failure or a peer's, whose abort word is set).
+__device__ inline bool failed_for_good(const Context& ctx) {
+  return reinterpret_cast<volatile int32_t*>(ctx.local->fatal)[kCode] != 0 ||
+         *reinterpret_cast<volatile uint64_t*>(ctx.abort_word) != 0;
 }
 
 // True if slot k of a token routes somewhere: a valid id not repeated in an earlier slot.
@@ -216,42 +328,119 @@ __device__ inline void mark(const Context& ctx, Phase phase, Mark point, bool la
     ctx.marks[phase * kMarks + point] = now_ns();
 }
 
-// Where a phase's kernel records errors while it runs.
-__device__ inline int32_t* phase_status(const Context& ctx, Phase phase) {
-  return ctx.status_scratch + phase * kStatusWords;
+// True when a finished phase's status lets its completion signals go (see finish_phase).
+__device__ inline bool completed(int32_t code) { return !(code & (kFatalCodes | kRefused)); }
+
+// A routing error of this round trip (the first this rank found: `words`, in the last block of the phase that found
+// it) to every rank's round_failures entry of this rank, before the phase's completion signals (the caller's, after
+// this returns in every thread of the block). Every rank then merges every rank's entries at its combine_recv's end
+// (merge_round_failures), so all of them end the round trip with the same status.
+JMC_COLD void publish_round_failure_cold(const Context& ctx, const int32_t* words) {
+  if (threadIdx.x == 0) {
+    const uint32_t epoch = static_cast<uint32_t>(words[kEpochWord]);
+    volatile uint32_t* published = &ctx.local->published;
+    if (*published != epoch) {
+      *published = epoch;
+      int32_t* entry = ctx.round_failures + ((epoch & 1u) * ctx.s.world + ctx.s.rank) * kStatusWords;
+      for (int pe = 0; pe < ctx.s.world; ++pe) put_words(ctx, entry, words, kStatusWords, pe);
+      complete_remote_writes(ctx);
+    }
+  }
+  __syncthreads();
+}
+
+// A phase that does not run because the MoEComm has failed for good: its status is the failure, with kRefused.
+JMC_COLD void refuse_cold(const Context& ctx, Phase phase) {
+  adopt_peer_failure(ctx);
+  int32_t words[kStatusWords];
+  const volatile int32_t* fatal = ctx.local->fatal;
+  for (int i = 0; i < kStatusWords; ++i) words[i] = fatal[i];
+  words[kCode] |= kRefused;
+  record(phase_status(ctx, phase), words);
+}
+
+// Waits until *word >= `least` (a tagged value: this epoch's word, with at least that value) and returns the word
+// (0 when the wait gave up). Polls with acquire loads (a satisfied wait orders the loads after it) and gives up: at
+// once when the abort word is set (another wait of this kernel, or another rank, failed: a dead peer costs one
+// timeout, not one per waiting thread), and after timeout_ns (kTimeout naming `peer`).
+__device__ inline uint64_t wait_for(const Context& ctx, const uint64_t* word, uint64_t least, Phase phase, int peer) {
+  uint64_t value = load_acquire(word);
+  if (value >= least) return value;
+  const volatile uint64_t* abort = ctx.abort_word;
+  const uint64_t deadline = now_ns() + ctx.s.timeout_ns;
+  while ((value = load_acquire(word)) < least) {
+    if (*abort != 0) {
+      refuse(ctx, phase);
+      return 0;
+    }
+    if (now_ns() > deadline) {
+      report(ctx, phase, kTimeout, peer, ctx.s.rank);
+      return 0;
+    }
+    __nanosleep(32);
+  }
+  return value;
 }
 
 // Called by every thread at the end of a phase's kernel: the last block to finish copies the errors recorded by
-// all blocks to the call's status output, clears the scratch for the next call and, with `advance`, moves the
-// protocol on (not when the phase did not run; nor after a fused kernel's send: its receive moves it on past both
-// phases, so no two blocks' writes of next_phase race). Returns true in that block.
-__device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* out, bool advance = true) {
-  if (!last_block_done(ctx.blocks_done + phase)) return false;
+// all blocks to the call's status output (and, when `code` is given, to *code in each of its threads), clears the
+// scratch for the next call, publishes a routing error to every rank, and, with `advance`, moves the protocol on
+// (not after a fused kernel's send: its receive moves it on past both phases, so no two blocks' writes race). The
+// end of combine_recv ends the round trip: its status (every rank's, merged) goes to the host words if it is an
+// error, the host words' `done` becomes this epoch, and the next round trip gets the next epoch.
+// Returns true in that block. A status with kFatalCodes or kRefused means some block did not do its work: the caller
+// then sends no completion signal (peers give up on this rank's abort word instead of reading partial data).
+__device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* out, bool advance = true,
+                                    int32_t* code = nullptr) {
+  if (!last_block_done(ctx.local->blocks_done + phase)) return false;
   mark(ctx, phase, kAllDone, true);
+  __shared__ int32_t words[kStatusWords];
   volatile int32_t* scratch = phase_status(ctx, phase);
+  const bool failed = threadIdx.x == 0 && failed_for_good(ctx);  // its loads in flight with the scratch's
   if (threadIdx.x < kStatusWords) {
-    out[threadIdx.x] = scratch[threadIdx.x];
+    words[threadIdx.x] = scratch[threadIdx.x];
+    out[threadIdx.x] = words[threadIdx.x];
     scratch[threadIdx.x] = 0;
   }
+  __syncthreads();
+  if (phase <= kDispatchRecv && words[kCode] != 0 && completed(words[kCode])) publish_round_failure(ctx, words);
   if (threadIdx.x == 0) {
-    ctx.blocks_done[phase] = 0;
-    if (advance) *ctx.next_phase = (phase + 1) % kPhases;
+    LocalWords* local = ctx.local;
+    local->blocks_done[phase] = 0;
+    if (advance) local->next_phase = (phase + 1) % kPhases;
+    if (phase == kCombineRecv) {  // the round trip's end (run or refused): the host learns how far the device got
+      if (words[kCode] != 0) tell_host(ctx, words);  // fenced: before `done` below
+      const uint32_t epoch = current_epoch(ctx);
+      reinterpret_cast<volatile uint32_t*>(&ctx.host_words->done)[0] = epoch;  // posted: nothing waits for it here
+      local->epoch = epoch + 1;
+    }
+    local->refusing = failed || failed_for_good(ctx);
   }
+  if (code != nullptr) *code = words[kCode];
   return true;
 }
 
-// Called by every thread at the start of a phase's kernel: true when this MoEComm's protocol expects `phase` now
-// (one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv). Otherwise it reports
-// kOutOfOrder and finishes the phase without running it; the kernel then returns at once (no waits, and no writes
-// but an empty layout from a refused receive: see receive_nothing), so interleaved round trips on one buffer set
-// fail with a message instead of hanging or mixing rows. Every block reads
-// the same value: only the last block of the kernel advances it (finish_phase), after all have read it.
+
+// Called by every thread at the start of a phase's kernel: true when the phase runs. It does not run when the
+// MoEComm has failed for good (refused: the failure, with kRefused) or when its protocol expects another phase now
+// (one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv): that reports kOutOfOrder, a
+// failure for good, so interleaved round trips on one buffer set fail with a message instead of hanging or mixing
+// rows. Either way the phase finishes at once (no waits, and no writes but an empty layout from a refused receive:
+// see receive_nothing). Every block of a kernel decides alike (a cooperative kernel's blocks must): the words read
+// here change only in a kernel's last block (finish_phase). A failure that comes while a kernel runs reaches it
+// through its waits (wait_for), and its completion signals are not sent.
 __device__ inline bool begin_phase(const Context& ctx, Phase phase, int32_t* out) {
   mark(ctx, phase, kStart);
-  const int32_t expected = *reinterpret_cast<volatile int32_t*>(ctx.next_phase);
-  if (expected == phase) return true;
-  if (blockIdx.x == 0 && threadIdx.x == 0) report(phase_status(ctx, phase), kOutOfOrder, phase, expected, phase);
-  finish_phase(ctx, phase, out, false);
+  const LocalWords* local = ctx.local;  // written by an earlier kernel's last block only: plain loads
+  const int32_t expected = local->next_phase;
+  if (local->refusing) {
+    if (threadIdx.x == 0) refuse(ctx, phase);
+  } else if (expected != phase) {
+    if (threadIdx.x == 0) report(ctx, phase, kOutOfOrder, expected, phase);
+  } else {
+    return true;
+  }
+  finish_phase(ctx, phase, out);
   return false;
 }
 

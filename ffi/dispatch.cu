@@ -13,12 +13,16 @@
 namespace jmc {
 namespace {
 
+// The send did not run (refused, or out of protocol order: the send status says so): nor does the receive, which
+// leaves an empty layout and moves the protocol on past both phases.
+__device__ inline void skip_receive(const Context& ctx, const DispatchRecvArgs& recv) {
+  receive_nothing(ctx, recv);
+  if (threadIdx.x == 0) refuse(ctx, kDispatchRecv);
+  finish_phase(ctx, kDispatchRecv, recv.status);
+}
+
 __global__ void dispatch_kernel(Context ctx, DispatchSendArgs send, DispatchRecvArgs recv) {
-  if (!dispatch_send_p2p(ctx, send, false)) {  // out of protocol order: the send status says so; nothing is received
-    if (blockIdx.x == 0 && threadIdx.x < kStatusWords) recv.status[threadIdx.x] = 0;
-    receive_nothing(ctx, recv);
-    return;
-  }
+  if (!dispatch_send_p2p(ctx, send, false)) return skip_receive(ctx, recv);
   mark(ctx, kDispatchRecv, kStart);  // no second order check: the receive's end moves the protocol past both
   receive_tokens(ctx, recv);
 }
@@ -44,17 +48,16 @@ struct FromX {
 __global__ void dispatch_ids_first_kernel(Context ctx, DispatchSendArgs send, DispatchRecvArgs recv) {
   const Sizes& s = ctx.s;
   int my_tokens;
-  if (!begin_send(ctx, send, &my_tokens)) {
-    if (blockIdx.x == 0 && threadIdx.x < kStatusWords) recv.status[threadIdx.x] = 0;
-    receive_nothing(ctx, recv);
-    return;
-  }
+  if (!begin_send(ctx, send, &my_tokens)) return skip_receive(ctx, recv);
   store_ids_rows(ctx, send, my_tokens);
   __threadfence_system();  // this thread's ids reach every peer before the ready signal
   cooperative_groups::this_grid().sync();
-  if (blockIdx.x == 0 && threadIdx.x < s.world) {
+  // Every block is past begin_send: a routing error it found is in the send's scratch. It goes out with the rows'
+  // signal (signal_rows_landed); the ids signal carries the count alone.
+  if (blockIdx.x == 0) {
     __threadfence_system();
-    signal_peer(ctx, ctx.dispatch_ready + s.rank, my_tokens + 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    const uint64_t ready = tagged(current_epoch(ctx), static_cast<uint32_t>(my_tokens));
+    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x) signal_peer(ctx, ctx.dispatch_ready + s.rank, ready, pe);
   }
   mark(ctx, kDispatchSend, kStep1);  // ids out, ready word set
 
@@ -80,10 +83,10 @@ __global__ void dispatch_ids_first_kernel(Context ctx, DispatchSendArgs send, Di
   if (static_cast<int>(blockIdx.x) >= senders) copy_share(ctx, recv, r, shares[0], FromX{s, send});
   signal_rows_landed(ctx, send, my_tokens);
 
-  int32_t* status = phase_status(ctx, kDispatchRecv);
+  const uint64_t rows_landed = tagged(current_epoch(ctx), kRowsLanded);
   if (!r.timed_out)
     for (int src = threadIdx.x; src < s.world; src += blockDim.x)
-      if (src != s.rank) wait_at_least(ctx.dispatch_ready + src, kRowsLanded, s, status, kDispatchRecv, src);
+      if (src != s.rank) wait_for(ctx, ctx.dispatch_ready + src, rows_landed, kDispatchRecv, src);
   __syncthreads();
   copy_share(ctx, recv, r, shares[1], FromSlots{ctx});
   mark(ctx, kDispatchRecv, kWorked);

@@ -122,12 +122,12 @@ __device__ inline int group_of(const int* first, int i) {
   return g;
 }
 
-// 1. Every source's token count (ready word's low half = count + 1; 0 = not yet); pass 0 takes every group, or only
-//    group `alone` (>= 0), whose tokens pass 1 then leaves out.
+// 1. Every source's token count (its ready word of this epoch); pass 0 takes every group, or only group `alone`
+//    (>= 0), whose tokens pass 1 then leaves out.
 __device__ inline void read_token_counts(const Context& ctx, Receive& r, int alone) {
   const Sizes& s = ctx.s;
   const int L = s.local_experts, G = s.num_dp;
-  int32_t* status = phase_status(ctx, kDispatchRecv);
+  const uint64_t ready = tagged(current_epoch(ctx), 0);
   __shared__ bool timed_out;
   if (threadIdx.x == 0) timed_out = false;
   for (int g = threadIdx.x; g < G; g += blockDim.x) r.group_tokens[g] = 0;
@@ -135,9 +135,9 @@ __device__ inline void read_token_counts(const Context& ctx, Receive& r, int alo
   for (int i = threadIdx.x; i < L * kBitWords; i += blockDim.x) r.hits[i] = 0;
   __syncthreads();
   for (int src = threadIdx.x; src < s.world; src += blockDim.x) {
-    const bool ok = wait_at_least(ctx.dispatch_ready + src, 1, s, status, kDispatchRecv, src);
-    const int n = ok ? token_count(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src)) : 0;
-    if (!ok) timed_out = true;
+    const uint64_t word = wait_for(ctx, ctx.dispatch_ready + src, ready, kDispatchRecv, src);
+    const int n = word ? token_count(word) : 0;
+    if (!word) timed_out = true;
     atomicAdd(&r.group_tokens[src / s.dp_size], min(max(n, 0), s.slots_per_source));
   }
   __syncthreads();
@@ -263,8 +263,16 @@ __device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs&
   if (blockIdx.x == 0) {
     for (int l = threadIdx.x; l < L; l += blockDim.x) a.group_sizes[l] = r.expert_start[l + 1] - r.expert_start[l];
     if (threadIdx.x == 0 && r.expert_start[L] > s.capacity)
-      report(phase_status(ctx, kDispatchRecv), kCapacityOverflow, kDispatchRecv, r.expert_start[L], s.capacity);
+      report(ctx, kDispatchRecv, kCapacityOverflow, r.expert_start[L], s.capacity);
   }
+}
+
+// Slot k of token t of DP group g gets no row (capacity overflow): every replica of the group is told, in the slot's
+// combine flag, so that its per-slot combine_recv waits for no row and adds nothing for that slot.
+JMC_COLD void drop_slot(const Context& ctx, int g, int t, int k) {
+  const Sizes& s = ctx.s;
+  uint64_t* flag = ctx.combine_flags + static_cast<size_t>(t) * s.experts_per_token + k;
+  for (int j = 0; j < s.dp_size; ++j) signal_peer(ctx, flag, tagged(current_epoch(ctx), kSlotDropped), g * s.dp_size + j);
 }
 
 // Where token t of DP group g's row (payload, scales) is read from: the slot it arrived in.
@@ -316,7 +324,10 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
       const int l = k < kUnrolledSlots ? slot_expert[j][k] : ids_at(i, g)[k] - first_local;
       const int at = max(first[g] - batch, 0);  // the batch's first arrival of group g
       const int p = r.group_base[l * G + g] + r.before[l * G + g] + count_bits(r.hits + l * kBitWords, at, j);
-      if (p >= s.capacity) continue;  // overflow: reported by derive_layout, never written
+      if (p >= s.capacity) {  // overflow: reported by derive_layout, never written; its source is told (no row comes)
+        if (lane == 0) drop_slot(*ctx.on_device, g, t, k);
+        continue;
+      }
       warp_copy_pair(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, from.payload(g, t),
                      s.payload_bytes, a.expert_scales + static_cast<size_t>(p) * s.scale_cols, from.scales(g, t),
                      4 * s.scale_cols, lane);

@@ -20,8 +20,9 @@ namespace jmc {
 // ids row in registers (live_slots). A slot that is not live and not -1 is an error: out of range, else a repeat.
 // Slot by slot, with a load per comparison, this took ~4.6 us at T = 1 (a chain of dependent loads per thread).
 // `first_row`: this thread's first token's ids, already loaded (or null).
-__device__ inline void validate_ids(const Sizes& s, const DispatchSendArgs& a, int num_tokens, int32_t* status,
+__device__ inline void validate_ids(const Context& ctx, const DispatchSendArgs& a, int num_tokens,
                                     const IdsRow* first_row) {
+  const Sizes& s = ctx.s;
   const int K = s.experts_per_token, first = blockIdx.x * blockDim.x + threadIdx.x;
   for (int t = first; t < num_tokens; t += gridDim.x * blockDim.x) {
     const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
@@ -32,7 +33,7 @@ __device__ inline void validate_ids(const Sizes& s, const DispatchSendArgs& a, i
     for (int k = 0; k < K; ++k) {
       const int e = ids[k];
       if (live >> k & 1u || e == -1) continue;
-      report(status, e < -1 || e >= s.num_experts ? kBadExpertId : kRepeatedExpertId, kDispatchSend, t, e);
+      report(ctx, kDispatchSend, e < -1 || e >= s.num_experts ? kBadExpertId : kRepeatedExpertId, t, e);
     }
   }
 }
@@ -92,12 +93,17 @@ __device__ inline void store_token_row(const Context& ctx, size_t slot, const Di
   }
 }
 
-// Once every block is done (its stores fenced / its puts quiet): the last block SETs our ready word everywhere.
+// Once every block is done (its stores fenced / its puts quiet): the last block SETs our ready word everywhere, tagged
+// with the round trip's epoch (unless some block did not send: then peers give up on the abort word).
 __device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& a, int my_tokens, bool advance) {
-  if (finish_phase(ctx, kDispatchSend, a.status, advance)) {
+  int32_t code;
+  if (finish_phase(ctx, kDispatchSend, a.status, advance, &code)) {
     __threadfence_system();
-    if (threadIdx.x < ctx.s.world)
-      signal_peer(ctx, ctx.dispatch_ready + ctx.s.rank, my_tokens + 1, NVSHMEM_SIGNAL_SET, threadIdx.x);
+    if (completed(code)) {
+      const uint64_t ready = tagged(current_epoch(ctx), static_cast<uint32_t>(my_tokens));
+      for (int pe = threadIdx.x; pe < ctx.s.world; pe += blockDim.x)
+        signal_peer(ctx, ctx.dispatch_ready + ctx.s.rank, ready, pe);
+    }
     mark(ctx, kDispatchSend, kEnd, true);
   }
 }
@@ -117,7 +123,7 @@ __device__ inline bool begin_send(const Context& ctx, const DispatchSendArgs& a,
   if (!begin_phase(ctx, kDispatchSend, a.status)) return false;
   int num_tokens;
   *my_tokens = replica_tokens(s, raw_tokens, &num_tokens);
-  validate_ids(s, a, num_tokens, phase_status(ctx, kDispatchSend), preload ? &first_row : nullptr);
+  validate_ids(ctx, a, num_tokens, preload ? &first_row : nullptr);
   mark(ctx, kDispatchSend, kWaited);
   return true;
 }
@@ -188,11 +194,14 @@ __device__ inline void store_remote_rows(const Context& ctx, const DispatchSendA
 // And once every block is past its rows (the senders' stores fenced), the last block SETs kRowsLanded in our ready
 // word on every other rank.
 __device__ inline void signal_rows_landed(const Context& ctx, const DispatchSendArgs& a, int my_tokens) {
-  if (finish_phase(ctx, kDispatchSend, a.status, false)) {
+  int32_t code;
+  if (finish_phase(ctx, kDispatchSend, a.status, false, &code)) {
     __threadfence_system();
-    if (threadIdx.x < ctx.s.world && threadIdx.x != ctx.s.rank)
-      signal_peer(ctx, ctx.dispatch_ready + ctx.s.rank, kRowsLanded | (my_tokens + 1), NVSHMEM_SIGNAL_SET,
-                  threadIdx.x);
+    if (completed(code)) {
+      const uint64_t ready = tagged(current_epoch(ctx), kRowsLanded | static_cast<uint32_t>(my_tokens));
+      for (int pe = threadIdx.x; pe < ctx.s.world; pe += blockDim.x)
+        if (pe != ctx.s.rank) signal_peer(ctx, ctx.dispatch_ready + ctx.s.rank, ready, pe);
+    }
     mark(ctx, kDispatchSend, kEnd, true);
   }
 }

@@ -1,9 +1,12 @@
 // XLA FFI handlers: unpack buffers, find the Context through the `context` attribute, launch the phase's kernel on
 // XLA's stream. No host synchronisation and no collective host work happens here.
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "device_common.cuh"
 #include "handlers.h"
+#include "runtime.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -110,8 +113,52 @@ ffi::Error Probe(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuff
                   "probe");
 }
 
+// The deferred error check, in front of each round trip's dispatch: XLA runs it on the host at every execution (it is
+// never recorded into a command buffer) and it does not synchronize the stream. It raises, as this call's error, the
+// first failure the device has told the host of (HostWords) once that failure is settled: a failure of an earlier
+// execution (the first check of an execution waits until the device has finished every round trip launched before
+// it), or of this execution `lag` or more round trips ago (the host waits until the device has finished the round
+// trip `lag` before this one, so it runs at most `lag` round trips ahead of it). Every rank therefore raises at the
+// same call of the same program, and no rank is left waiting in a collective for one that stopped. A routing error
+// is cleared once raised (the next round trip may succeed); a protocol failure is raised again by every later
+// check until comm.reset().
+ffi::Error Check(ffi::RunId run, ffi::AnyBuffer /*after: orders the check after the previous round trip*/,
+                 ffi::Result<ffi::Buffer<ffi::S32>> /*token: the dispatch's `after`*/, int64_t context, int64_t lag) {
+  Context& ctx = *reinterpret_cast<Context*>(context);
+  HostState& host = *ctx.host_state;
+  const bool first_of_execution = run.run_id != host.execution;
+  host.execution = run.run_id;
+  const uint32_t launched = ++host.launched;
+  const uint32_t behind = first_of_execution ? 1 : static_cast<uint32_t>(lag);
+  const uint32_t settled = launched > behind ? launched - behind : 0;
+  const volatile uint32_t* done = &ctx.host_view->done;
+  if (*done < settled) {  // wait for the device, which is behind the host
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(2 * ctx.s.timeout_ns);
+    while (*done < settled) {
+      if (std::chrono::steady_clock::now() > deadline) {  // a round trip counted here never ran: count again from here
+        host.launched = *done + behind;
+        break;
+      }
+      std::this_thread::yield();
+    }
+  }
+  const std::vector<int32_t> failure = host_failure(&ctx);
+  if (failure[kCode] == 0 || static_cast<uint32_t>(failure[kEpochWord]) > settled) return ffi::Error::Success();
+  if (!(failure[kCode] & kFatalCodes)) clear_host_failure(&ctx);
+  --host.launched;  // this round trip does not run
+  return ffi::Error(ffi::ErrorCode::kAborted, describe_failure(failure));
+}
+
 }  // namespace
 }  // namespace jmc
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_check, jmc::Check,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("context")
+                                  .Attr<int64_t>("lag"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
                               ffi::Ffi::Bind()

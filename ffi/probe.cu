@@ -14,11 +14,30 @@
 namespace jmc {
 namespace {
 
+// Waits until *word >= value, or timeout_ns: then a kTimeout status naming `peer` (the probe's own: no protocol).
+__device__ inline void probe_wait(const Context& ctx, uint64_t* word, uint64_t value, int32_t* status, int peer) {
+  volatile uint64_t* v = word;
+  const uint64_t deadline = now_ns() + ctx.s.timeout_ns;
+  while (*v < value) {
+    if (now_ns() > deadline) {
+      if (atomicCAS(reinterpret_cast<int*>(status), 0, kTimeout) == 0) {
+        status[kPhaseWord] = kCombineRecv;
+        status[kRankWord] = ctx.s.rank;
+        status[kDetailA] = peer;
+        status[kDetailB] = ctx.s.rank;
+      }
+      return;
+    }
+    __nanosleep(32);
+  }
+  nvshmem_uint64_wait_until(word, NVSHMEM_CMP_GE, value);
+}
+
 __global__ void probe_kernel(Context ctx, const int4* x, int4* out, long long words, int32_t* status) {
   const Sizes& s = ctx.s;
   if (blockIdx.x == 0 && threadIdx.x < kStatusWords) status[threadIdx.x] = 0;  // before any block can report
   const int next = (s.rank + 1) % s.world, prev = (s.rank + s.world - 1) % s.world;
-  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(ctx.probe_epoch) + 1;
+  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(&ctx.local->probe_epoch) + 1;
   const size_t region = static_cast<size_t>(s.max_tokens) * s.combine_stride / 16;  // int4 words per source
   auto* landing = reinterpret_cast<int4*>(ctx.combine_partials);
   int4* to = peer_ptr(ctx, landing + s.rank * region, next);
@@ -26,17 +45,17 @@ __global__ void probe_kernel(Context ctx, const int4* x, int4* out, long long wo
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long i = first; i < words; i += stride) to[i] = x[i];
   __threadfence_system();  // this thread's stores reach the next rank before the signal
-  if (last_block_done(ctx.probe_blocks) && threadIdx.x == 0) {
+  if (last_block_done(ctx.local->probe_blocks) && threadIdx.x == 0) {
     __threadfence_system();
-    signal_peer(ctx, ctx.probe_ready + s.rank, epoch, NVSHMEM_SIGNAL_SET, next);
+    signal_peer(ctx, ctx.probe_ready + s.rank, epoch, next);
   }
-  if (threadIdx.x == 0) wait_at_least(ctx.probe_ready + prev, epoch, s, status, kCombineRecv, prev);
+  if (threadIdx.x == 0) probe_wait(ctx, ctx.probe_ready + prev, epoch, status, prev);
   __syncthreads();
   const int4* from = landing + prev * region;
   for (long long i = first; i < words; i += stride) out[i] = from[i];
-  if (last_block_done(ctx.probe_blocks + 1) && threadIdx.x == 0) {  // every block has read the epoch and waited
-    *ctx.probe_epoch = epoch;
-    ctx.probe_blocks[0] = ctx.probe_blocks[1] = 0;
+  if (last_block_done(ctx.local->probe_blocks + 1) && threadIdx.x == 0) {  // every block has read the epoch, waited
+    ctx.local->probe_epoch = epoch;
+    ctx.local->probe_blocks[0] = ctx.local->probe_blocks[1] = 0;
   }
 }
 
@@ -62,7 +81,7 @@ __global__ void probe_flagged_kernel(Context ctx, const uint2* x, uint2* out, lo
   const Sizes& s = ctx.s;
   if (blockIdx.x == 0 && threadIdx.x < kStatusWords) status[threadIdx.x] = 0;
   const int next = (s.rank + 1) % s.world, prev = (s.rank + s.world - 1) % s.world;
-  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(ctx.probe_epoch) + 1;
+  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(&ctx.local->probe_epoch) + 1;
   auto* landing = reinterpret_cast<ulonglong2*>(ctx.combine_slots);  // one source: the previous rank
   ulonglong2* to = peer_ptr(ctx, landing, next);
   const long long first = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
@@ -76,16 +95,20 @@ __global__ void probe_flagged_kernel(Context ctx, const uint2* x, uint2* out, lo
     ulonglong2 w = load_pair(landing + i);
     while ((w.x >> 32) < epoch || (w.y >> 32) < epoch) {
       if (now_ns() > deadline) {
-        report(status, kTimeout, kCombineRecv, prev, s.rank);
+        if (atomicCAS(reinterpret_cast<int*>(status), 0, kTimeout) == 0) {
+          status[kPhaseWord] = kCombineRecv;
+          status[kRankWord] = s.rank;
+          status[kDetailA] = prev;
+        }
         break;
       }
       w = load_pair(landing + i);
     }
     out[i] = make_uint2(static_cast<uint32_t>(w.x), static_cast<uint32_t>(w.y));
   }
-  if (last_block_done(ctx.probe_blocks + 1) && threadIdx.x == 0) {  // every block has read the epoch
-    *ctx.probe_epoch = epoch;
-    ctx.probe_blocks[0] = ctx.probe_blocks[1] = 0;
+  if (last_block_done(ctx.local->probe_blocks + 1) && threadIdx.x == 0) {  // every block has read the epoch
+    ctx.local->probe_epoch = epoch;
+    ctx.local->probe_blocks[0] = ctx.local->probe_blocks[1] = 0;
   }
 }
 

@@ -4,6 +4,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -56,99 +57,77 @@ std::tuple<int, int, int> host_version() {
 
 namespace {
 
-struct Layout {  // byte sizes of each symmetric buffer, in allocation order
-  size_t dispatch_staging, dispatch_slots, dispatch_ids, dispatch_ready, combine_staging, combine_slots,
-      combine_words, sync, combine_weights, weights_ready, combine_partials, partials_ready, probe_ready, row_of, local;
-  size_t total() const {
-    return dispatch_staging + dispatch_slots + dispatch_ids + dispatch_ready + combine_staging + combine_slots +
-           combine_words + sync + combine_weights + weights_ready + combine_partials + partials_ready + probe_ready +
-           row_of + local;
+// Carves one buffer out of the symmetric allocation by its name in the layout (jax_moe_comm computes the layout:
+// name -> (offset, bytes), every offset 16-byte aligned).
+template <typename T>
+T* region(char* base, const Layout& layout, const char* name, std::string* missing) {
+  auto it = layout.find(name);
+  if (it == layout.end()) {
+    *missing += std::string(missing->empty() ? "" : ", ") + name;
+    return nullptr;
   }
-};
+  return reinterpret_cast<T*>(base + it->second.first);
+}
 
-size_t round16(size_t n) { return (n + 15) / 16 * 16; }  // every buffer starts 16-byte aligned
-
-Layout layout_of(const Sizes& s) {
-  const size_t slots = static_cast<size_t>(s.world) * s.slots_per_source;
-  const size_t world_words = round16(static_cast<size_t>(s.world) * sizeof(uint64_t));
-  return Layout{
-      static_cast<size_t>(s.max_tokens) * s.token_stride,
-      slots * s.token_stride,
-      round16(slots * s.experts_per_token * sizeof(int32_t)),
-      world_words,
-      static_cast<size_t>(s.capacity) * s.combine_stride,
-      static_cast<size_t>(s.max_tokens) * s.experts_per_token * s.combine_stride,
-      round16(static_cast<size_t>(s.max_tokens) * sizeof(uint64_t)),
-      world_words,
-      round16(slots * s.experts_per_token * sizeof(float)),
-      world_words,
-      static_cast<size_t>(s.world) * s.max_tokens * s.combine_stride,
-      world_words,
-      world_words,
-      round16(static_cast<size_t>(s.num_dp) * s.max_tokens * s.experts_per_token * sizeof(int32_t)),
-      kPhases * kStatusWords * sizeof(int32_t) + kPhases * sizeof(unsigned) + 16,
-  };
+size_t layout_bytes(const Layout& layout) {
+  size_t end = 0;
+  for (const auto& [name, at] : layout) end = std::max(end, at.first + at.second);
+  return end;
 }
 
 }  // namespace
 
-size_t symmetric_bytes(const Sizes& s) { return layout_of(s).total(); }
-
-Context* create_context(const Sizes& sizes, std::string* error) {
-  const Layout bytes = layout_of(sizes);
-  // One allocation (collective: same size on every rank), carved into the buffers; zeroed once, after which
-  // every counter is reset by the phase that consumed it.
-  char* base = static_cast<char*>(nvshmem_malloc(bytes.total()));
+Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, std::string* error) {
+  const size_t total = layout_bytes(layout);
+  // One allocation (collective: same size on every rank), carved into the buffers; zeroed once. No word is ever
+  // reset: every word a rank waits for carries the round trip's epoch.
+  char* base = static_cast<char*>(nvshmem_malloc(total));
   if (base == nullptr) {
-    *error = "nvshmem_malloc of " + std::to_string(bytes.total()) +
+    *error = "nvshmem_malloc of " + std::to_string(total) +
              " bytes failed: the symmetric heap is too small; set NVSHMEM_SYMMETRIC_SIZE (before "
              "jax_moe_comm.initialize) to at least the sum of comm.symmetric_bytes of every MoEComm, plus margin";
     return nullptr;
   }
-  // Zeroed on a stream of its own and waited for alone: a device-wide synchronisation would also wait for work
-  // already queued by XLA, which may itself wait for a host callback.
-  cudaStream_t zeroing = nullptr;
-  const bool zeroed = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking) == cudaSuccess &&
-                      cudaMemsetAsync(base, 0, bytes.total(), zeroing) == cudaSuccess &&
-                      cudaStreamSynchronize(zeroing) == cudaSuccess;
-  if (zeroing != nullptr) cudaStreamDestroy(zeroing);
-  if (!zeroed) {
-    *error = "zeroing the symmetric buffers failed";
-    nvshmem_free(base);
-    return nullptr;
-  }
   auto* ctx = new Context{};
   ctx->s = sizes;
-  char* p = base;
-  auto take = [&p](size_t n) { char* q = p; p += n; return q; };
-  ctx->dispatch_staging = take(bytes.dispatch_staging);
-  ctx->dispatch_slots = take(bytes.dispatch_slots);
-  ctx->dispatch_ids = reinterpret_cast<int32_t*>(take(bytes.dispatch_ids));
-  ctx->dispatch_ready = reinterpret_cast<uint64_t*>(take(bytes.dispatch_ready));
-  ctx->combine_staging = take(bytes.combine_staging);
-  ctx->combine_slots = take(bytes.combine_slots);
-  ctx->combine_arrived = reinterpret_cast<uint64_t*>(take(bytes.combine_words));
-  ctx->sync_flags = reinterpret_cast<uint64_t*>(take(bytes.sync));
-  ctx->combine_weights = reinterpret_cast<float*>(take(bytes.combine_weights));
-  ctx->weights_ready = reinterpret_cast<uint64_t*>(take(bytes.weights_ready));
-  ctx->combine_partials = take(bytes.combine_partials);
-  ctx->partials_ready = reinterpret_cast<uint64_t*>(take(bytes.partials_ready));
-  ctx->probe_ready = reinterpret_cast<uint64_t*>(take(bytes.probe_ready));
-  ctx->row_of = reinterpret_cast<int32_t*>(take(bytes.row_of));
-  ctx->status_scratch = reinterpret_cast<int32_t*>(take(bytes.local));
-  ctx->blocks_done = reinterpret_cast<unsigned*>(ctx->status_scratch + kPhases * kStatusWords);
-  ctx->next_phase = reinterpret_cast<int32_t*>(ctx->blocks_done + kPhases);
-  ctx->probe_epoch = reinterpret_cast<uint32_t*>(ctx->next_phase + 1);  // the local words' last 16 bytes:
-  ctx->probe_blocks = reinterpret_cast<unsigned*>(ctx->probe_epoch + 1);  // next_phase, probe_epoch, probe_blocks
+  ctx->base = base;
+  ctx->symmetric_bytes = total;
+  std::string missing;
+  ctx->dispatch_staging = region<char>(base, layout, "dispatch_staging", &missing);
+  ctx->dispatch_slots = region<char>(base, layout, "dispatch_slots", &missing);
+  ctx->dispatch_ids = region<int32_t>(base, layout, "dispatch_ids", &missing);
+  ctx->dispatch_ready = region<uint64_t>(base, layout, "dispatch_ready", &missing);
+  ctx->combine_staging = region<char>(base, layout, "combine_staging", &missing);
+  ctx->combine_slots = region<char>(base, layout, "combine_slots", &missing);
+  ctx->combine_flags = region<uint64_t>(base, layout, "combine_flags", &missing);
+  ctx->sync_flags = region<uint64_t>(base, layout, "sync_flags", &missing);
+  ctx->combine_weights = region<float>(base, layout, "combine_weights", &missing);
+  ctx->weights_ready = region<uint64_t>(base, layout, "weights_ready", &missing);
+  ctx->combine_partials = region<char>(base, layout, "combine_partials", &missing);
+  ctx->partials_ready = region<uint64_t>(base, layout, "partials_ready", &missing);
+  ctx->probe_ready = region<uint64_t>(base, layout, "probe_ready", &missing);
+  ctx->round_failures = region<int32_t>(base, layout, "round_failures", &missing);
+  ctx->fatal_failures = region<int32_t>(base, layout, "fatal_failures", &missing);
+  ctx->abort_word = region<uint64_t>(base, layout, "abort_word", &missing);
+  ctx->row_of = region<int32_t>(base, layout, "row_of", &missing);
+  void* host = nullptr;
+  const bool ok = missing.empty() && cudaMalloc(&ctx->local, sizeof(LocalWords)) == cudaSuccess &&
+                  cudaHostAlloc(&host, sizeof(HostWords), cudaHostAllocMapped) == cudaSuccess &&
+                  cudaHostGetDevicePointer(reinterpret_cast<void**>(&ctx->host_words), host, 0) == cudaSuccess;
+  ctx->host_view = static_cast<HostWords*>(host);
+  ctx->host_state = new HostState{};
+  if (!ok) {
+    *error = missing.empty() ? "allocating a context's local words failed" : "the layout lacks " + missing;
+    destroy_context(ctx, /*collective=*/false);
+    return nullptr;
+  }
   // NVLink: every peer's heap is mapped here, at a fixed offset from ours (so for every buffer of this allocation).
-  ctx->p2p = sizes.world <= kMaxNvlinkPeers;
+  ctx->p2p = !staged && sizes.world <= kMaxNvlinkPeers;
   for (int pe = 0; pe < sizes.world && ctx->p2p; ++pe) {
     const char* peer = static_cast<const char*>(nvshmem_ptr(base, pe));
     ctx->p2p = peer != nullptr;
     if (ctx->p2p) ctx->peer_offset[pe] = peer - base;
   }
-  if (std::getenv("JAX_MOE_COMM_STAGED")) ctx->p2p = false;  // force the staged puts (any transport)
-  ctx->symmetric_bytes = bytes.total();
   // The ids-first dispatch and its per-block histograms (local device memory, read only by that kernel; never read
   // before written in the same call: no zeroing). Without them the fused dispatch sends first.
   const char* ids_first_min = std::getenv("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS");
@@ -165,9 +144,92 @@ Context* create_context(const Sizes& sizes, std::string* error) {
        cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess)) {
     ctx->marks = nullptr;  // no stamps: take_kernel_marks says so
   }
+  *error = zero_context(ctx);
+  Context* on_device = nullptr;
+  if (error->empty() && (cudaMalloc(&on_device, sizeof(Context)) != cudaSuccess ||
+                         (ctx->on_device = on_device,
+                          cudaMemcpy(on_device, ctx, sizeof(Context), cudaMemcpyHostToDevice) != cudaSuccess)))
+    *error = "copying a context to the device failed";
+  ctx->on_device = on_device;
+  if (!error->empty()) {
+    destroy_context(ctx, false);
+    return nullptr;
+  }
   nvshmem_barrier_all();  // every rank's buffers are zero before anyone may put into them
   return ctx;
 }
+
+// Zeroes the symmetric buffers, the local words (the first round trip's epoch is 1) and the host words. On a
+// stream of its own, waited for alone: a device-wide synchronisation would also wait for work already queued by
+// XLA, which may itself wait for a host callback.
+std::string zero_context(Context* ctx) {
+  cudaStream_t stream = nullptr;
+  LocalWords first{};
+  first.epoch = 1;
+  const bool ok = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+                  cudaMemsetAsync(ctx->base, 0, ctx->symmetric_bytes, stream) == cudaSuccess &&
+                  cudaMemcpyAsync(ctx->local, &first, sizeof(first), cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+                  cudaStreamSynchronize(stream) == cudaSuccess;
+  if (stream != nullptr) cudaStreamDestroy(stream);
+  std::memset(ctx->host_view, 0, sizeof(HostWords));
+  *ctx->host_state = HostState{};
+  return ok ? std::string() : std::string("zeroing a context's buffers failed");
+}
+
+std::string reset_context(Context* ctx) {
+  // Every rank's kernels have ended (this device's, then the barrier: every rank's) before any buffer is zeroed, and
+  // every rank's are zero before any rank's next kernel can write into a peer's.
+  if (cudaDeviceSynchronize() != cudaSuccess) return "waiting for the device failed";
+  nvshmem_barrier_all();
+  std::string error = zero_context(ctx);
+  nvshmem_barrier_all();
+  return error;
+}
+
+std::vector<int32_t> host_failure(Context* ctx) {
+  const volatile int32_t* words = ctx->host_view->failure;
+  std::vector<int32_t> out(kStatusWords);
+  for (int i = kStatusWords - 1; i >= 0; --i) out[i] = words[i];  // the code word is written last: read it first
+  return out;
+}
+
+namespace {
+Messages& messages() {
+  static Messages table;
+  return table;
+}
+
+void replace_all(std::string& text, const std::string& key, const std::string& value) {
+  for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at + value.size()))
+    text.replace(at, key.size(), value);
+}
+}  // namespace
+
+void set_messages(const Messages& table) { messages() = table; }
+
+std::string describe_failure(const std::vector<int32_t>& words) {
+  const Messages& m = messages();
+  const int32_t code = words[kCode], phase = words[kPhaseWord];
+  const auto phase_name = [&](int32_t p) {
+    return p >= 0 && p < static_cast<int32_t>(m.phases.size()) ? m.phases[p] : "phase " + std::to_string(p);
+  };
+  std::string text = m.header;
+  replace_all(text, "{phase}", phase_name(phase));
+  replace_all(text, "{rank}", std::to_string(words[kRankWord]));
+  std::string parts;
+  for (const auto& [bit, part] : m.parts) {
+    if (!(code & bit)) continue;
+    std::string one = part;
+    replace_all(one, "{a}", std::to_string(words[kDetailA]));
+    replace_all(one, "{b}", std::to_string(words[kDetailB]));
+    replace_all(one, "{over}", std::to_string(words[kDetailA] - words[kDetailB]));
+    replace_all(one, "{expected}", phase_name(words[kDetailA]));
+    parts += (parts.empty() ? "" : m.joiner) + one;
+  }
+  return text + parts + ((code & kFatalCodes) ? m.fatal_suffix : "");
+}
+
+void clear_host_failure(Context* ctx) { reinterpret_cast<volatile int32_t*>(ctx->host_view->failure)[kCode] = 0; }
 
 std::vector<uint64_t> take_kernel_marks(Context* ctx) {
   std::vector<uint64_t> marks(kPhases * kMarks, 0);
@@ -179,11 +241,15 @@ std::vector<uint64_t> take_kernel_marks(Context* ctx) {
   return marks;
 }
 
-void destroy_context(Context* ctx) {
+void destroy_context(Context* ctx, bool collective) {
   if (ctx->marks != nullptr) cudaFree(ctx->marks);
   if (ctx->block_counts != nullptr) cudaFree(ctx->block_counts);
-  nvshmem_barrier_all();
-  nvshmem_free(ctx->dispatch_staging);  // the start of the single allocation
+  if (ctx->local != nullptr) cudaFree(ctx->local);
+  if (ctx->on_device != nullptr) cudaFree(const_cast<Context*>(ctx->on_device));
+  if (ctx->host_view != nullptr) cudaFreeHost(ctx->host_view);
+  delete ctx->host_state;
+  if (collective) nvshmem_barrier_all();
+  nvshmem_free(ctx->base);
   delete ctx;
 }
 

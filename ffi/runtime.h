@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "context.h"
@@ -26,9 +27,32 @@ int n_pes();
 void finalize();
 std::tuple<int, int, int> host_version();  // NVSHMEM version of the loaded libnvshmem_host
 
-size_t symmetric_bytes(const Sizes& sizes);
-Context* create_context(const Sizes& sizes, std::string* error);  // collective
-void destroy_context(Context* ctx);                                // collective
+// The symmetric allocation's layout, computed by jax_moe_comm (nvshmem_backend.symmetric_layout): buffer name ->
+// (offset, bytes).
+using Layout = std::map<std::string, std::pair<size_t, size_t>>;
+
+// Collective: one MoEComm's symmetric buffers. `staged`: send through symmetric staging and puts even where NVLink
+// stores would reach every peer.
+Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, std::string* error);
+void destroy_context(Context* ctx, bool collective = true);  // collective unless told otherwise (a failed creation)
+std::string zero_context(Context* ctx);  // every buffer and word as created; empty on success
+// Collective: after a failure, the context as created (every rank's kernels must have ended). Empty on success.
+std::string reset_context(Context* ctx);
+// The first failure the device has told the host of and not yet cleared (HostWords::failure; code 0: none), read
+// with no synchronisation.
+std::vector<int32_t> host_failure(Context* ctx);
+void clear_host_failure(Context* ctx);
+
+// The text of a failure (a status's words), from the templates jax_moe_comm/errors.py gives once (set_messages):
+// header (with {phase}, {rank}), one part per code bit (with {a}, {b}, {over} = a - b, {expected}: the phase named
+// by a), joined, and a suffix for protocol failures.
+struct Messages {
+  std::string header, joiner, fatal_suffix;
+  std::map<int32_t, std::string> parts;
+  std::vector<std::string> phases;
+};
+void set_messages(const Messages& table);
+std::string describe_failure(const std::vector<int32_t>& words);
 // The kernel marks of the context's last round trip ([phase][Mark] globaltimer ns, 0 = not stamped), cleared; empty
 // unless JAX_MOE_COMM_KERNEL_MARKS was set when it was created. Synchronous (a device-to-host copy).
 std::vector<uint64_t> take_kernel_marks(Context* ctx);

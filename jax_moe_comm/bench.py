@@ -73,7 +73,8 @@ from jax_moe_comm._cli import prepare_process
 from jax_moe_comm.launch import initialize_distributed
 
 AXIS = "ep"
-ALL_BACKENDS = ("nvshmem", "reference", "ragged", "padded", "floor", "floor_flagged")
+ALL_BACKENDS = ("nvshmem", "nvshmem_unchecked", "reference", "ragged", "padded", "floor", "floor_flagged")
+UNCHECKED = "nvshmem_unchecked"  # MoEComm(backend="nvshmem", check_errors=False): the price of the default check
 PROBES = ("floor", "floor_flagged")  # not round trips: run only when named, their results not checked
 EPS = 1e-3  # weight of the previous output in the next input of a chain
 TOLERANCE = 2e-2
@@ -211,14 +212,16 @@ class Impl:
 
 
 class CommImpl(Impl):
-    """MoEComm, backend "nvshmem" or "reference"."""
+    """MoEComm, backend "nvshmem" or "reference"; "nvshmem_unchecked": nvshmem with check_errors=False."""
 
     def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool,
                  weights_to: str = "combine") -> None:
         self.name = name
-        self.halves = name != "nvshmem"
+        backend = "nvshmem" if name == UNCHECKED else name
+        self.halves = backend != "nvshmem"
         self.weights_to = weights_to  # "dispatch": the weights go with dispatch, combine takes none
-        self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend=name, check_errors=check_errors)
+        self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend=backend,
+                                         check_errors=check_errors and name != UNCHECKED)
 
     def dispatch(self, x, scales, ids, w):
         d = self.comm.dispatch(x, ids, scales, topk_weights=w if self.weights_to == "dispatch" else None)
@@ -280,7 +283,7 @@ def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors
               weights_to: str = "combine") -> Impl:
     if name in PROBES:
         return FloorImpl(cfg, tokens, mesh, flagged=name == "floor_flagged")
-    if name in ("nvshmem", "reference"):
+    if name in ("nvshmem", UNCHECKED, "reference"):
         return CommImpl(name, cfg, tokens, mesh, check_errors, weights_to)
     return BaselineImpl(name, cfg)
 
@@ -660,7 +663,7 @@ def available_backends(mesh: Mesh, nvshmem_reason: str | None) -> tuple[list[str
     """(backends that can run here, {backend: why not} for the others)."""
     why_not = {}
     if nvshmem_reason is not None:
-        why_not.update(dict.fromkeys(("nvshmem", *PROBES), nvshmem_reason))
+        why_not.update(dict.fromkeys(("nvshmem", UNCHECKED, *PROBES), nvshmem_reason))
     # ragged_all_to_all: XLA:CPU cannot compile it; XLA:GPU with one GPU per process runs it only through its NCCL
     # send/recv fallback, which is off by default (the call fails at run time). Probe with a tiny round trip.
     error = None
@@ -782,7 +785,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default=None,
                    help=f"comma-separated, of {','.join(ALL_BACKENDS)} (default: every one available here but the "
-                        f"probes, {' and '.join(PROBES)})")
+                        f"probes, {' and '.join(PROBES)}, and {UNCHECKED})")
     p.add_argument("--configs", default="r1,v2lite", help="comma-separated, of r1,v2lite (default both)")
     p.add_argument("--tokens", default=None,
                    help=f"tokens per rank, comma-separated (default {','.join(map(str, DEFAULT_TOKENS))})")
@@ -832,11 +835,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     world = mesh.size
 
-    wants_nvshmem = args.backends is None or bool({"nvshmem", *PROBES} & set(args.backends))
+    wants_nvshmem = args.backends is None or bool({"nvshmem", UNCHECKED, *PROBES} & set(args.backends))
     nvshmem_reason = start_nvshmem(wants_nvshmem, args.config_list, args.tokens, mesh)
     available, why_not = available_backends(mesh, nvshmem_reason)
     # The probes only when named: they are not round trips.
-    backends = args.backends if args.backends is not None else [b for b in available if b not in PROBES]
+    backends = args.backends if args.backends is not None else [b for b in available if b not in (*PROBES, UNCHECKED)]
     # The reference backend first: the others are checked against its result.
     backends = sorted(backends, key=lambda b: b != "reference")
     if leader:

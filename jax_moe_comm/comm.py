@@ -21,6 +21,7 @@ from .config import Geometry, MoECommConfig
 from .types import CombineHandle, Dispatched
 
 BACKENDS = ("auto", "nvshmem", "reference")
+CHECK_ERRORS = (True, False, "sync")
 COMBINE_DTYPES = [np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
 
 
@@ -52,9 +53,23 @@ class MoEComm:
         travel. Differentiating an fp8 dispatch with the custom VJP needs it: the backward round trip then runs on a
         second buffer set of that dtype (on the NVSHMEM backend: allocated here, ``symmetric_bytes`` counts it), so
         ``dy`` reaches the experts unquantized. None (default): no fp8 gradients, no second buffer set.
-      check_errors: raise routing errors, capacity overflow and timeouts at the end of each round trip (a host
-        callback, which synchronizes the stream: 0.6-0.8 ms per round trip measured on 2xH200). With False nothing
-        is raised; dispatch's errors stay readable in ``handle.status`` (see errors.py) and combine's are lost.
+      check_errors: how a failed round trip is raised (routing errors, capacity overflow, a peer timing out, phases
+        out of order; see errors.py). Whatever the setting, a failed round trip's combine output is NaN on every
+        rank, and after a protocol failure every later call of this MoEComm returns NaN at once until ``reset()``.
+
+        - True (default): as a ``jax.errors.JaxRuntimeError`` carrying MoECommError's message. On the NVSHMEM
+          backend a host-side check in front of each round trip raises it, without synchronizing with the GPU,
+          from the second round trip on this MoEComm after the failed one: every rank raises at the same call
+          (the host waits until the GPU has finished the round trip two before, so it runs at most two round trips
+          ahead of the GPU); ``check()`` raises one the GPU has reported since. On the reference backend every rank
+          raises at the end of the failed round trip (a host callback).
+        - "sync": at the end of the failed round trip on every backend (a host callback, which synchronizes the
+          stream every round trip: for debugging).
+        - False: nothing is raised; dispatch's own errors stay readable in ``handle.status``, and ``check()``
+          raises what the GPU reported.
+      timeout_s: seconds a kernel waits for a peer before the round trip fails (NVSHMEM backend). One wait that
+        times out ends every wait of the job at once (the failing rank tells every other), so a dead or late peer
+        costs one timeout.
 
     The fused ``combine`` gives the weights to combine_send (``combine_weights_at == "send"``: the NVSHMEM
     backend's NVLink path then sums each token's rows on the expert side) when ``max_tokens`` is at least
@@ -72,20 +87,26 @@ class MoEComm:
     """
 
     def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto",
-                 custom_vjp: bool | None = None, check_errors: bool = True, grad_dtype: Any = None) -> None:
+                 custom_vjp: bool | None = None, check_errors: bool | str = True, grad_dtype: Any = None,
+                 timeout_s: float = 30.0) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if check_errors not in CHECK_ERRORS:
+            raise ValueError(f"check_errors must be True, False or 'sync', got {check_errors!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 86400:
+            raise ValueError(f"timeout_s must be a number of seconds in (0, 86400], got {timeout_s!r}")
         self.cfg = cfg
         self.mesh = mesh
         self.axis_name = axis_name
         self.world = int(mesh.shape[axis_name])
         cfg.validate_world(self.world, axis_name)
         self.backend = _native.resolve_backend(backend, mesh)
-        self._geo = Geometry(cfg, self.world, axis_name, check_errors=bool(check_errors))
+        self.timeout_s = float(timeout_s)
+        self._geo = Geometry(cfg, self.world, axis_name, check_errors=check_errors)
         self.custom_vjp = self.backend == "nvshmem" if custom_vjp is None else bool(custom_vjp)
         if grad_dtype is not None:
             if not cfg.is_fp8:
@@ -96,13 +117,31 @@ class MoEComm:
         self.combine_weights_at = nvshmem_backend.combine_weights_at(cfg)
         nvshmem_backend.check_ids_first_threshold()
         if self.backend == "nvshmem":
-            self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
+            self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh, self.timeout_s)
         else:
             self._impl, self._plan = reference, self._geo
         # The buffers of an fp8 layer's backward round trip (see autodiff.py), in grad_dtype.
         self._grad_comm = None if grad_dtype is None else MoEComm(
             dataclasses.replace(cfg, dtype=grad_dtype, scale_block=None, capacity=self.capacity), mesh, axis_name,
-            backend=self.backend, custom_vjp=False, check_errors=check_errors)
+            backend=self.backend, custom_vjp=False, check_errors=check_errors, timeout_s=timeout_s)
+
+    def check(self) -> None:
+        """Raises MoECommError for a failure the device has reported and no check has raised yet (NVSHMEM backend;
+        no synchronization: call it after the step's outputs are ready, e.g. after the last step). A routing error
+        is raised once; a protocol failure until ``reset()``. The reference backend raises in the round trip."""
+        if self.backend == "nvshmem" and self._plan is not None:
+            nvshmem_backend.raise_pending(self._plan)
+            if self._grad_comm is not None:
+                self._grad_comm.check()
+
+    def reset(self) -> None:
+        """After a failure, the MoEComm as created (NVSHMEM backend; collective: every process calls it, after the
+        failed step has ended). Waits for this device's queued work. A no-op on the reference backend, which keeps
+        no state between calls."""
+        if self.backend == "nvshmem" and self._plan is not None:
+            nvshmem_backend.reset_plan(self._plan)
+            if self._grad_comm is not None:
+                self._grad_comm.reset()
 
     def close(self) -> None:
         """Frees the NVSHMEM symmetric buffers (collective: every process closes its MoEComm in the same order)."""
@@ -130,7 +169,8 @@ class MoEComm:
         return nvshmem_backend.symmetric_bytes(self.cfg, self.world) + grad
 
     def __repr__(self) -> str:
-        return f"MoEComm(world={self.world}, backend={self.backend!r}, capacity={self.capacity}, cfg={self.cfg})"
+        return (f"MoEComm(world={self.world}, backend={self.backend!r}, capacity={self.capacity}, "
+                f"check_errors={self._geo.check_errors!r}, timeout_s={self.timeout_s}, cfg={self.cfg})")
 
     # Argument checks ---------------------------------------------------------------------------------
     def _check_dispatch_args(self, x, topk_ids, scales, num_tokens):

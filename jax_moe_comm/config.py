@@ -142,7 +142,7 @@ class Geometry:
     cfg: MoECommConfig
     world: int
     axis_name: str
-    check_errors: bool = True
+    check_errors: bool | str = True  # True, False or "sync" (MoEComm)
 
     @property
     def T(self) -> int:  # noqa: N802 (paper notation)

@@ -1,78 +1,128 @@
-"""Errors found on the device, raised to the user.
+"""Errors found on the device, and how they reach the user.
 
-Every phase produces a status word ``int32[4] = {code, phase, detail_a, detail_b}`` (code 0 = fine) on the
-device. Dispatch records its status in the handle and carries on, so that every rank still completes the round
-trip (raising on one rank mid-protocol would leave its peers waiting); the combine that completes the round trip
-raises, through a host callback, when any phase's code is non-zero. Inside ``jit`` the error surfaces as
-``jax.errors.JaxRuntimeError`` whose message contains the text below, when the result is waited on (e.g.
-``block_until_ready``). The device never writes out of bounds in the meantime: offending rows are dropped.
-Both backends use this; the codes match ``ffi/context.h``.
+Every phase produces a status word ``int32[8] = {code, phase, rank, detail_a, detail_b, epoch, 0, 0}`` (code 0 = fine;
+``rank`` is the rank that found the error, ``epoch`` the round trip's number on its MoEComm). A round trip's status
+is the same on every rank: each rank publishes the first error it finds to every other rank, and each combine ends
+with the lowest rank's. So every rank of a job fails the same round trip with the same message, and none is left
+waiting for another.
+
+Routing errors (an id outside ``[-1, num_experts)``, one expert twice in a token's top-k, more rows than
+``capacity``) drop the offending rows and let the round trip finish everywhere; its combined output is NaN on every
+rank. Protocol failures (a peer that never arrives, phases out of order) also make the MoEComm refuse every later
+call (NaN results) until ``MoEComm.reset()``. How the error is raised is ``MoEComm(check_errors=...)``: see comm.py.
+The codes match ``ffi/context.h``; the texts below are the only ones, also given to the kernels' check handler.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
+from jax.experimental import io_callback
 
 BAD_EXPERT_ID = 1        # an id outside [-1, num_experts)
 REPEATED_EXPERT_ID = 2   # one token names the same expert in two top-k slots
 CAPACITY_OVERFLOW = 4    # the rows this rank receives exceed `capacity`
 TIMEOUT = 8              # a peer never arrived (NVSHMEM backend)
 OUT_OF_ORDER = 16        # a phase ran while the MoEComm expected another one (NVSHMEM backend)
-STATUS_WORDS = 4
+REFUSED = 32             # set on the failure a refused phase reports (the MoEComm failed earlier)
+FATAL = TIMEOUT | OUT_OF_ORDER  # protocol failures: the MoEComm refuses every later call until reset()
+STATUS_WORDS = 8
+CODE, PHASE, RANK, DETAIL_A, DETAIL_B, EPOCH = range(6)
 PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+HEADER = "jax_moe_comm: {phase} failed on rank {rank}: "
+PARTS = {
+    BAD_EXPERT_ID: "expert id {b} of token {a} is outside [-1, num_experts)",
+    REPEATED_EXPERT_ID: "token {a} names expert {b} in two top-k slots (ids must be distinct; the later slot is "
+                        "dropped)",
+    CAPACITY_OVERFLOW: "{a} rows arrived but capacity is {b} ({over} too many): raise MoECommConfig.capacity to at "
+                       "least {a}",
+    TIMEOUT: "timed out waiting for rank {a} (MoEComm timeout_s: did every rank make the call?)",
+    OUT_OF_ORDER: "it ran while this MoEComm expected {expected}: a MoEComm carries one round trip at a time "
+                  "(dispatch_send, dispatch_recv, combine_send, combine_recv); use one MoEComm per round trip that "
+                  "overlaps another",
+    REFUSED: "(refused: the MoEComm had failed before this call)",
+}
+JOINER = "; "
+FATAL_SUFFIX = "; this MoEComm now refuses every call until comm.reset() (collective), or build a new one"
 
 
 class MoECommError(RuntimeError):
-    """A dispatch/combine call failed on the device (bad routing, overflow, a peer timing out, or calls out of
-    protocol order)."""
+    """A dispatch/combine round trip failed on the device (bad routing, overflow, a peer timing out, or calls out
+    of protocol order). The message names the phase, the rank that found the error and what to change."""
 
 
-def describe(code: int, phase: int, rank: int, detail_a: int, detail_b: int) -> str:
-    parts = []
-    if code & BAD_EXPERT_ID:
-        parts.append(f"expert id {detail_b} of token {detail_a} is outside [-1, num_experts)")
-    if code & REPEATED_EXPERT_ID:
-        parts.append(f"token {detail_a} names expert {detail_b} in two top-k slots (ids must be distinct)")
-    if code & CAPACITY_OVERFLOW:
-        parts.append(f"{detail_a} rows arrived but capacity is {detail_b}; raise MoECommConfig.capacity")
-    if code & TIMEOUT:
-        parts.append(f"timed out waiting for rank {detail_a} (JAX_MOE_COMM_TIMEOUT_S); did every rank make the call?")
-    if code & OUT_OF_ORDER:
-        expected = PHASES[detail_a] if 0 <= detail_a < len(PHASES) else detail_a
-        parts.append(f"it ran while this MoEComm expected {expected}: a MoEComm carries one round trip at a time "
-                     "(dispatch_send, dispatch_recv, combine_send, combine_recv); use one MoEComm per round trip "
-                     "that overlaps another")
-    name = PHASES[phase] if 0 <= phase < len(PHASES) else f"phase {phase}"
-    return f"jax_moe_comm: {name} failed on rank {rank}: " + "; ".join(parts)
+class _OwnErrorsRaisedOnce(logging.Filter):
+    """JAX logs a failing host callback's error once per device before raising it: ours is raised, so its log
+    records are dropped (other callbacks' are kept)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], MoECommError))
 
 
-def status(code, phase: int, detail_a=0, detail_b=0) -> Array:
+for _name in ("jax._src.callback", "jax._src.debugging"):
+    logging.getLogger(_name).addFilter(_OwnErrorsRaisedOnce())
+
+
+def describe(words) -> str:
+    """The text of a status (its int32 words), as the user sees it."""
+    code, phase, rank, a, b = (int(words[i]) for i in (CODE, PHASE, RANK, DETAIL_A, DETAIL_B))
+
+    def phase_name(p: int) -> str:
+        return PHASES[p] if 0 <= p < len(PHASES) else f"phase {p}"
+
+    values = {"a": a, "b": b, "over": a - b, "expected": phase_name(a)}
+    parts = [text.format(**values) for bit, text in PARTS.items() if code & bit]
+    return (HEADER.format(phase=phase_name(phase), rank=rank) + JOINER.join(parts)
+            + (FATAL_SUFFIX if code & FATAL else ""))
+
+
+def give_texts_to(ext) -> None:
+    """The texts above to the extension's check handler (which raises them as an XLA error), once per process, and
+    the kernels' constants checked against these."""
+    constants = ext.constants()
+    ours = {"status_words": STATUS_WORDS, "fatal_codes": FATAL, "refused": REFUSED}
+    if any(constants[k] != v for k, v in ours.items()):
+        raise RuntimeError(f"jax_moe_comm: the CUDA extension's constants {constants} differ from errors.py's {ours}; "
+                           "rebuild the extension")
+    ext.set_messages(HEADER, PARTS, JOINER, FATAL_SUFFIX, list(PHASES))
+
+
+def status(code, phase: int, rank, detail_a=0, detail_b=0) -> Array:
     """A status word built from traced values (the reference backend's equivalent of the kernels' report)."""
-    return jnp.stack([jnp.asarray(v, jnp.int32) for v in (code, phase, detail_a, detail_b)])
+    return jnp.stack([jnp.asarray(v, jnp.int32) for v in (code, phase, rank, detail_a, detail_b, 0, 0, 0)])
 
 
 def first_failure(*statuses: Array) -> Array:
     """The earliest non-zero status of a call's phases, else zeros."""
-    out = jnp.where(statuses[-1][0] != 0, statuses[-1], 0)
+    out = jnp.where(statuses[-1][CODE] != 0, statuses[-1], 0)
     for s in reversed(statuses[:-1]):
-        out = jnp.where(s[0] != 0, s, out)
+        out = jnp.where(s[CODE] != 0, s, out)
     return out
 
 
-def _raise_if_error(word, rank, after) -> None:
+def raise_if_failed(words) -> None:
+    """Raises MoECommError for a status's host words whose code is non-zero."""
+    words = np.asarray(words).reshape(-1)  # host values first: an eager shard_map may hand over unindexable arrays
+    if int(words[CODE]) != 0:
+        raise MoECommError(describe(words))
+
+
+def _raise_from_callback(words, after) -> None:
     del after
-    # As host values first: under an eager shard_map (jax 0.11) the callback gets arrays that cannot be iterated.
-    code, phase, a, b = (int(v) for v in np.asarray(word).reshape(-1)[:4])
-    if code != 0:
-        raise MoECommError(describe(code, phase, int(np.asarray(rank)), a, b))
+    raise_if_failed(words)
 
 
-def check(word: Array, rank: Array, after: Array) -> None:
-    """Raises MoECommError (through the runtime) when the traced status word's code is non-zero.
+def check_now(word: Array, after: Array) -> None:
+    """Raises MoECommError (through the runtime) when the traced status word's code is non-zero: a host callback,
+    which synchronizes with the device. Every rank holds the same round trip status, so every rank raises at the same
+    callback and none is left waiting in a collective for one that stopped.
 
     `after` is any value computed by the call's last transfer: the callback consumes it, so XLA cannot schedule
-    the raise before that transfer (where it would leave peers waiting in a collective)."""
-    jax.debug.callback(_raise_if_error, word, jnp.asarray(rank, jnp.int32), after.reshape(-1)[:1])
+    the raise before that transfer."""
+    # io_callback, not jax.debug.callback (which logs the error once per device); it has no JVP, and needs none.
+    io_callback(_raise_from_callback, None, word, jax.lax.stop_gradient(after.reshape(-1)[:1]))

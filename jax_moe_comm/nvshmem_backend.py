@@ -22,15 +22,16 @@ from .config import Geometry, MoECommConfig
 from .types import CombineHandle, Dispatched, pytree_dataclass
 
 MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
+CHECK_LAG = 2  # round trips between a failure and the check that raises it (ffi/handlers.cu, Check)
 _DTYPE_CODE = {np.dtype(jnp.bfloat16): 0, np.dtype(jnp.float16): 1, np.dtype(jnp.float32): 2}
 _registered = False
 
 
 def _register_targets() -> None:
-    """Registers the four handlers with XLA (once per process), declared command-buffer compatible so XLA may
-    capture them into CUDA graphs with the surrounding work (-4.5 us per round trip at 1 token on 2xH200, see
-    benchmarks/NOTES.md). JAX_MOE_COMM_COMMAND_BUFFERS=0 (read here, at the first NVSHMEM MoEComm) leaves them
-    out of command buffers."""
+    """Registers the handlers with XLA (once per process). The kernels' handlers are declared command-buffer
+    compatible so XLA may capture them into CUDA graphs with the surrounding work (-4.5 us per round trip at 1 token
+    on 2xH200, see benchmarks/NOTES.md; JAX_MOE_COMM_COMMAND_BUFFERS=0, read here, at the first NVSHMEM MoEComm,
+    leaves them out). The check handler never is: it must run on the host at every execution."""
     global _registered
     if not _registered:
         extra = {}
@@ -39,7 +40,8 @@ def _register_targets() -> None:
 
             extra["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
         for name, capsule in _native.ext.handlers().items():
-            jax.ffi.register_ffi_target(f"jmc_{name}", capsule, platform="CUDA", **extra)
+            jax.ffi.register_ffi_target(f"jmc_{name}", capsule, platform="CUDA", **({} if name == "check" else extra))
+        errors.give_texts_to(_native.ext)
         _registered = True
 
 
@@ -71,7 +73,8 @@ def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132) -> dict[str, int]:
+def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
+                 timeout_s: float = 30.0) -> dict[str, int]:
     """The ``Sizes`` struct of ffi/context.h for one rank."""
     geo = Geometry(cfg, world, "")
     payload = cfg.hidden * np.dtype(cfg.dtype).itemsize
@@ -83,23 +86,47 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132)
         token_stride=_round16(payload + 4 * cfg.scale_cols + 4 * (1 + cfg.experts_per_token)),
         slots_per_source=-(-cfg.max_tokens // cfg.dp_size),
         combine_stride=_round16(cfg.hidden * np.dtype(cfg.out_dtype).itemsize),
-        timeout_ns=int(float(os.environ.get("JAX_MOE_COMM_TIMEOUT_S", "30")) * 1e9),
+        timeout_ns=int(timeout_s * 1e9),
         sm_count=sm_count,
     )
 
 
-def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
-    """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (the layout of ffi/runtime.cu)."""
+def symmetric_layout(cfg: MoECommConfig, world: int) -> dict[str, tuple[int, int]]:
+    """The symmetric allocation of one MoEComm on each rank: buffer name -> (offset, bytes), each 16-byte aligned.
+    The only definition: the extension carves its buffers by these names (ffi/context.h says what each holds)."""
     s = kernel_sizes(cfg, world, 0)
     slots, T, K = world * s["slots_per_source"], s["max_tokens"], s["experts_per_token"]
-    world_words = _round16(world * 8)
-    return (T * s["token_stride"] + slots * s["token_stride"] + _round16(slots * K * 4) + world_words  # dispatch
-            + (s["capacity"] + T * K) * s["combine_stride"] + _round16(T * 8) + world_words  # combine
-            + _round16(slots * K * 4) + world_words + world * T * s["combine_stride"] + world_words  # pre-reduced
-            + world_words  # the bench's probe (ffi/probe.cu)
-            + _round16(s["num_dp"] * T * K * 4)  # row_of
-            + 4 * 4 * 4 + 4 * 4 + 16)  # per phase: status scratch, finished-block counter; the next phase and the
-                                       # probe's epoch and block counters
+    words = _round16(world * 8)  # one u64 per rank
+    status = 4 * errors.STATUS_WORDS
+    sizes = [
+        ("dispatch_staging", T * s["token_stride"]),
+        ("dispatch_slots", slots * s["token_stride"]),
+        ("dispatch_ids", slots * K * 4),
+        ("dispatch_ready", words),
+        ("combine_staging", s["capacity"] * s["combine_stride"]),
+        ("combine_slots", T * K * s["combine_stride"]),
+        ("combine_flags", T * K * 8),
+        ("sync_flags", words),
+        ("combine_weights", slots * K * 4),
+        ("weights_ready", words),
+        ("combine_partials", world * T * s["combine_stride"]),
+        ("partials_ready", words),
+        ("probe_ready", words),  # the bench's probe (ffi/probe.cu)
+        ("round_failures", 2 * world * status),
+        ("fatal_failures", world * status),
+        ("abort_word", 8),
+        ("row_of", s["num_dp"] * T * K * 4),  # local: the pre-reduced combine_send's inverse of row_origin
+    ]
+    layout, offset = {}, 0
+    for name, size in sizes:
+        layout[name] = (offset, _round16(size))
+        offset += _round16(size)
+    return layout
+
+
+def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
+    """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank."""
+    return sum(size for _, size in symmetric_layout(cfg, world).values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +139,7 @@ class Plan:
     fused: bool  # the fused dispatch and combine run one kernel each (NVLink path, JAX_MOE_COMM_FUSED != "0")
 
 
-def create_plan(geo: Geometry, mesh) -> Plan:
+def create_plan(geo: Geometry, mesh, timeout_s: float = 30.0) -> Plan:
     """Collective (every process, same order): allocates one MoEComm's symmetric buffers."""
     rt = runtime.current()
     if rt is None:
@@ -128,10 +155,16 @@ def create_plan(geo: Geometry, mesh) -> Plan:
         raise ValueError(f"the EP axis must order devices by process (rank {rt.rank} at position {rt.rank}); "
                          "build the mesh from jax.devices()")
     _register_targets()
-    sizes = kernel_sizes(cfg, geo.world, rt.rank, _native.ext.sm_count())
-    ctx = _native.ext.create_context(sizes)
+    sizes = kernel_sizes(cfg, geo.world, rt.rank, _native.ext.sm_count(), timeout_s)
+    ctx = _native.ext.create_context(sizes, symmetric_layout(cfg, geo.world), staged=staged_enabled())
     p2p = bool(_native.ext.context_p2p(ctx))
     return Plan(geo, ctx, p2p, p2p and fused_halves_enabled())
+
+
+def staged_enabled() -> bool:
+    """JAX_MOE_COMM_STAGED (read when a MoEComm is made): send through symmetric staging and put-with-signal even
+    where NVLink stores reach every peer."""
+    return bool(os.environ.get("JAX_MOE_COMM_STAGED"))
 
 
 def fused_halves_enabled() -> bool:
@@ -148,6 +181,23 @@ def destroy_plan(plan: Plan) -> None:
     _native.ext.destroy_context(plan.ctx)
 
 
+def reset_plan(plan: Plan) -> None:
+    """Collective: the buffers as created, after a failure (every rank's kernels must have ended)."""
+    _native.ext.reset_context(plan.ctx)
+
+
+def raise_pending(plan: Plan) -> None:
+    """Raises MoECommError for a failure the device has told the host of and the check has not raised yet (no
+    synchronization: what the device has written so far). A routing error is raised once; a protocol failure until
+    reset."""
+    words = _native.ext.host_failure(plan.ctx)
+    if words[errors.CODE] == 0:
+        return
+    if not words[errors.CODE] & errors.FATAL:
+        _native.ext.clear_host_failure(plan.ctx)
+    errors.raise_if_failed(words)
+
+
 @pytree_dataclass
 class PendingDispatch:
     """dispatch_send's status (its arrival orders dispatch_recv after it) and what combine will need."""
@@ -160,10 +210,9 @@ class PendingDispatch:
 
 @pytree_dataclass(static=("in_dtype", "reduced"))
 class PendingCombine:
-    """combine_send's status (orders combine_recv after it), dispatch's recorded errors, and the routing."""
+    """combine_send's status (orders combine_recv after it) and the routing."""
 
     status: Array
-    dispatch_status: Array
     topk_ids: Array
     num_tokens: Array
     topk_weights: Array | None  # given to combine_send (else to combine_recv)
@@ -184,30 +233,35 @@ def _varying(a: Array, axis_name: str) -> Array:
 
 
 def _call(name: str, results, plan: Plan, *args, **attrs):
+    # XLA:GPU's dynamic-slice fusion clones a custom call whose operand is a slice of a loop input (a lax.scan's
+    # per-layer ids) or whose result is written into a slice of a loop buffer (a lax.scan stacking residuals for the
+    # backward pass), side effect or not, and keeps the original: the kernel then ran twice per iteration. Behind
+    # optimization barriers (free: no copy, no kernel) the operands and results match no such pattern.
+    args = jax.lax.optimization_barrier(args)
     outs = jax.ffi.ffi_call(f"jmc_{name}", results, has_side_effect=True)(*args, context=np.int64(plan.ctx), **attrs)
-    # XLA:GPU's dynamic-slice fusion clones a custom call whose result is written into a slice of a loop buffer
-    # (e.g. a lax.scan stacking residuals for the backward pass), side effect or not: dispatch_recv then ran twice
-    # per iteration. Behind an optimization barrier (free: no copy, no kernel) the results match no such pattern.
     outs = jax.lax.optimization_barrier(outs)
     return jax.tree.map(lambda a: _varying(a, plan.geo.axis_name), outs)
-
-
-def _rank(plan: Plan) -> Array:
-    return jax.lax.axis_index(plan.geo.axis_name)
 
 
 def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
                   topk_weights: Array | None = None, after: Array | None = None) -> PendingDispatch:
     """after: an array the call must run after (its operand, never read; see _after_arg)."""
     status = _call("dispatch_send", _STATUS, plan, x, _scales_arg(plan, scales), topk_ids, num_tokens,
-                   _sent_weights_arg(plan, topk_weights), _after_arg(after))
+                   _sent_weights_arg(plan, topk_weights), _after_arg(plan, x, after))
     return PendingDispatch(status, topk_ids, num_tokens, topk_weights)
 
 
-def _after_arg(after: Array | None) -> Array:
+def _after_arg(plan: Plan, x: Array, after: Array | None) -> Array:
     """An operand that orders a dispatch after the call that produced it: XLA schedules a custom call after its
     operands, and keeps every operand (the kernel never reads it). An optimization barrier would not do: XLA removes
-    barriers early, and with them any tie between values that no data joins (design.md, "FFI and ordering")."""
+    barriers early, and with them any tie between values that no data joins (design.md, "FFI and ordering").
+
+    With check_errors=True it is the token of the deferred check (ffi/handlers.cu, Check), which itself runs after
+    `after` (or after x is computed: after the previous round trip): XLA runs the check on the host right before it
+    launches this round trip, and it raises a failure of an earlier round trip without synchronizing."""
+    if plan.geo.check_errors is True:
+        check = jax.ffi.ffi_call("jmc_check", jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)
+        return check(x if after is None else after, context=np.int64(plan.ctx), lag=np.int64(CHECK_LAG))
     return jnp.zeros((0,), jnp.int32) if after is None else after
 
 
@@ -261,7 +315,7 @@ def dispatch(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_to
         return dispatch_recv(plan, dispatch_send(plan, x, topk_ids, scales, num_tokens, topk_weights, after))
     *received, send_status, status = _call("dispatch", _received(plan) + (_STATUS, _STATUS), plan, x,
                                            _scales_arg(plan, scales), topk_ids, num_tokens,
-                                           _sent_weights_arg(plan, topk_weights), _after_arg(after))
+                                           _sent_weights_arg(plan, topk_weights), _after_arg(plan, x, after))
     return _dispatched(plan, received, topk_ids, num_tokens, topk_weights, send_status, status)
 
 
@@ -283,7 +337,7 @@ def _combine_send(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weigh
     weights = topk_weights.astype(jnp.float32) if reduced else jnp.zeros((0,), jnp.float32)
     status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin, weights,
                    partial_dtype=np.int64(_DTYPE_CODE[np.dtype(partial)]), weights_sent=np.int64(sent))
-    return PendingCombine(status, handle.status, handle.topk_ids, handle.num_tokens, topk_weights,
+    return PendingCombine(status, handle.topk_ids, handle.num_tokens, topk_weights,
                           _DTYPE_CODE[np.dtype(partial if reduced else expert_y.dtype)], reduced)
 
 
@@ -294,13 +348,14 @@ def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array | None) -> A
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS)
     y, status = _call("combine_recv", results, plan, q.status, q.topk_ids, weights.astype(jnp.float32), q.num_tokens,
                       in_dtype=np.int64(q.in_dtype), reduced=np.int64(q.reduced))
-    return _checked(plan, y, q.dispatch_status, q.status, status)
+    return _checked(plan, y, status)
 
 
-def _checked(plan: Plan, y: Array, *statuses: Array) -> Array:
-    """y, after raising the round trip's first error (check_errors; the last status is the last kernel's)."""
-    if plan.geo.check_errors:
-        errors.check(errors.first_failure(*statuses), _rank(plan), after=statuses[-1])
+def _checked(plan: Plan, y: Array, status: Array) -> Array:
+    """y, after raising the round trip's error with check_errors="sync" (`status`: the round trip's last kernel's,
+    which holds every rank's first failure; with True the next round trips' check raises it)."""
+    if plan.geo.check_errors == "sync":
+        errors.check_now(status, after=status)
     return y
 
 
@@ -314,10 +369,10 @@ def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Ar
         return combine_recv(plan, _combine_send(plan, expert_y, handle, None, False), topk_weights)
     cfg = plan.geo.cfg
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS, _STATUS)
-    y, send_status, status = _call("combine", results, plan, expert_y, handle.row_origin, handle.topk_ids,
-                                   topk_weights.astype(jnp.float32), handle.num_tokens,
-                                   reduced=np.int64(weights_at == "send"), weights_sent=np.int64(sent))
-    return _checked(plan, y, handle.status, send_status, status)
+    y, _, status = _call("combine", results, plan, expert_y, handle.row_origin, handle.topk_ids,
+                         topk_weights.astype(jnp.float32), handle.num_tokens,
+                         reduced=np.int64(weights_at == "send"), weights_sent=np.int64(sent))
+    return _checked(plan, y, status)
 
 
 def probe_exchange(plan: Plan, x: Array, flagged: bool = False) -> Array:
@@ -330,4 +385,6 @@ def probe_exchange(plan: Plan, x: Array, flagged: bool = False) -> Array:
     phase slot it uses)."""
     out, status = _call("probe", (jax.ShapeDtypeStruct(x.shape, x.dtype), _STATUS), plan, x,
                         flagged=np.int64(flagged))
-    return _checked(plan, out, status)
+    if plan.geo.check_errors:
+        errors.check_now(status, after=status)
+    return out

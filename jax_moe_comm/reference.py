@@ -58,15 +58,22 @@ def _first_true(mask: Array, values: Array) -> tuple[Array, Array]:
     return flat // mask.shape[1], values.reshape(-1)[flat]
 
 
-def _validate_routing(geo: Geometry, topk_ids: Array, live: Array) -> Array:
-    """Status word: an id outside [-1, E) or a repeated id within one token (valid rows only)."""
-    bad = live[:, None] & ((topk_ids < -1) | (topk_ids >= geo.cfg.num_experts))
+def live_slots(geo: Geometry, topk_ids: Array) -> Array:
+    """[T, K] bool: the slots that route somewhere, as the kernels decide: an id in [0, E) that no earlier slot of
+    the token names (a repeated id is an error, and its later slot is dropped)."""
+    valid = (topk_ids >= 0) & (topk_ids < geo.cfg.num_experts)
     same = topk_ids[:, :, None] == topk_ids[:, None, :]
     earlier = jnp.tril(jnp.ones((geo.K, geo.K), bool), k=-1)  # [k, j]: j < k
-    repeated = live[:, None] & (topk_ids >= 0) & jnp.any(same & earlier, axis=2)
+    return valid & ~jnp.any(same & earlier & valid[:, None, :], axis=2)
+
+
+def _validate_routing(geo: Geometry, topk_ids: Array, live: Array, rank: Array) -> Array:
+    """Status word: an id outside [-1, E) or a repeated id within one token (valid rows only)."""
+    bad = live[:, None] & ((topk_ids < -1) | (topk_ids >= geo.cfg.num_experts))
+    repeated = live[:, None] & (topk_ids >= 0) & (topk_ids < geo.cfg.num_experts) & ~live_slots(geo, topk_ids)
     code = jnp.where(bad.any(), errors.BAD_EXPERT_ID, 0) | jnp.where(repeated.any(), errors.REPEATED_EXPERT_ID, 0)
     token, value = _first_true(jnp.where(bad.any(), bad, repeated), topk_ids)
-    return errors.status(code, 0, token, value)
+    return errors.status(code, 0, rank, token, value)
 
 
 def _exchange(geo: Geometry, per_peer: Array) -> Array:
@@ -91,10 +98,10 @@ def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None
     rank = jax.lax.axis_index(geo.axis_name)
     token = jnp.arange(T, dtype=jnp.int32)
     live = token < num_tokens
-    status = _validate_routing(geo, topk_ids, live)
+    status = _validate_routing(geo, topk_ids, live, rank)
 
     mine = live & (token % geo.cfg.dp_size == rank % geo.cfg.dp_size)
-    sends = mine[:, None] & (topk_ids >= 0) & (topk_ids < geo.cfg.num_experts)
+    sends = mine[:, None] & live_slots(geo, topk_ids)
     dest = jnp.where(sends, topk_ids // geo.L, geo.world).reshape(-1)  # world = "nowhere"
     order = jnp.argsort(dest, stable=True)  # by destination, then (token, slot)
     dest_sorted = dest[order]
@@ -136,7 +143,8 @@ def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
     row = jnp.where(row < geo.capacity, row, geo.capacity)  # overflowing rows are dropped, never written
 
     needed = jnp.sum(group_sizes)
-    overflow = errors.status(jnp.where(needed > geo.capacity, errors.CAPACITY_OVERFLOW, 0), 1, needed, geo.capacity)
+    overflow = errors.status(jnp.where(needed > geo.capacity, errors.CAPACITY_OVERFLOW, 0), 1,
+                             jax.lax.axis_index(geo.axis_name), needed, geo.capacity)
 
     origin = jnp.where(arrived, (src_group * T + token) * K + slot, -1)[order]
     cap = (geo.capacity,)
@@ -181,9 +189,17 @@ def combine_send(geo: Geometry, expert_y: Array, handle: CombineHandle,
     )
 
 
+def round_trip_status(geo: Geometry, own: Array) -> Array:
+    """The round trip's status, the same on every rank: the lowest rank's first failure (the kernels publish each
+    rank's to every rank and merge them alike)."""
+    every = jax.lax.all_gather(own, geo.axis_name)  # [world, STATUS_WORDS]
+    first = jnp.argmax(every[:, errors.CODE] != 0)
+    return every[first]
+
+
 def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array | None) -> Array:
-    """y[i] = sum_k w[i, k] * row(i, k) in fp32, k in order; slots with id -1 and rows >= num_tokens give 0.
-    topk_weights may be None when combine_send had them."""
+    """y[i] = sum_k w[i, k] * row(i, k) in fp32, k in order; dead slots and rows >= num_tokens give 0. NaN on every
+    rank when the round trip failed on any. topk_weights may be None when combine_send had them."""
     T, K = geo.T, geo.K
     topk_weights = q.topk_weights if topk_weights is None else topk_weights
     slot = q.recv_slot.reshape(-1)
@@ -191,13 +207,15 @@ def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array | None) -
     rows = q.recv_y.reshape((-1,) + q.recv_y.shape[2:]).astype(jnp.float32)
     by_slot = _scatter_rows((T * K,), (slot,), rows, 0).reshape(T, K, -1)
     live = jnp.arange(T) < q.num_tokens
-    weights = jnp.where(live[:, None] & (q.topk_ids >= 0), topk_weights.astype(jnp.float32), 0.0)
+    weights = jnp.where(live[:, None] & live_slots(geo, q.topk_ids), topk_weights.astype(jnp.float32), 0.0)
     acc = jnp.zeros(by_slot.shape[::2], jnp.float32)
     for k in range(K):  # fixed summation order: the kernel adds slots 0..K-1 the same way
         acc = acc + weights[:, k, None] * by_slot[:, k]
-    if geo.check_errors:
-        errors.check(q.status, jax.lax.axis_index(geo.axis_name), after=acc)  # after the last transfer
-    return jnp.where(live[:, None], acc, 0.0).astype(geo.cfg.out_dtype)
+    status = round_trip_status(geo, q.status)
+    if geo.check_errors:  # True or "sync": every rank raises here, after the last transfer
+        errors.check_now(status, after=acc)
+    y = jnp.where(live[:, None], acc, 0.0).astype(geo.cfg.out_dtype)
+    return jnp.where(status[errors.CODE] != 0, jnp.asarray(jnp.nan, y.dtype), y)
 
 
 def dispatch(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,

@@ -43,13 +43,21 @@ def routing_error(topk_ids: np.ndarray, num_tokens: np.ndarray, num_experts: int
     return None
 
 
+def routed(topk_ids, g: int, t: int, k: int) -> bool:
+    """Whether slot k of token t of group g routes its row: a slot naming the expert of an earlier slot of the same
+    token is dropped (the repeat is an error, and the earlier slot keeps the row)."""
+    e = int(topk_ids[g, t, k])
+    return e >= 0 and all(int(topk_ids[g, t, j]) != e for j in range(k))
+
+
 def dispatch(x, topk_ids, num_tokens, scales=None, *, world, dp_size, num_experts, align, capacity):
     """Receive layout of every rank.
 
     x [G, T, H], topk_ids [G, T, K], num_tokens [G], scales [G, T, H // B] or None. Returns a list of
     ``world`` ShardLayout. Rank r, local expert l (global e = r * L + l) receives, ordered by (g, t), one row per
-    (group g, token t < num_tokens[g], slot k) with topk_ids[g, t, k] == e; each expert's run is padded with
-    zero rows to a multiple of ``align``; rows past the last expert's run are zero / -1.
+    (group g, token t < num_tokens[g], slot k) with topk_ids[g, t, k] == e and no earlier slot of the token naming
+    e; each expert's run is padded with zero rows to a multiple of ``align``; rows past the last expert's run are
+    zero / -1.
     """
     num_groups, max_tokens, k_slots = topk_ids.shape
     assert num_groups * dp_size == world
@@ -64,7 +72,7 @@ def dispatch(x, topk_ids, num_tokens, scales=None, *, world, dp_size, num_expert
             for g in range(num_groups):
                 for t in range(int(num_tokens[g])):
                     for k in range(k_slots):
-                        if int(topk_ids[g, t, k]) == expert:
+                        if int(topk_ids[g, t, k]) == expert and routed(topk_ids, g, t, k):
                             rows.append(x[g, t])
                             if scales is not None:
                                 scale_rows.append(scales[g, t])
@@ -116,7 +124,7 @@ def combine(expert_y, layouts, topk_ids, topk_weights, num_tokens, *, dp_size, n
             acc = np.zeros(hidden, np.float32)
             for k in range(k_slots):
                 e = int(topk_ids[g, t, k])
-                if e < 0:
+                if not routed(topk_ids, g, t, k):
                     continue
                 src_rank, p = where[(g * max_tokens + t) * k_slots + k]
                 assert src_rank == e // num_local

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm
-from jax_moe_comm import CombineHandle, MoEComm, MoECommConfig
+from jax_moe_comm import CombineHandle, MoEComm, MoECommConfig, errors
 
 E, K, H, T = 8, 2, 32, 4
 BASE = dict(num_experts=E, experts_per_token=K, hidden=H, max_tokens=T)
@@ -248,7 +248,7 @@ def test_num_tokens_must_be_an_integer_scalar(comm, num_tokens, message):
 
 def _handle(comm: MoEComm) -> CombineHandle:
     return CombineHandle(row_origin=jnp.full((comm.capacity,), -1, jnp.int32), topk_ids=jnp.zeros((T, K), jnp.int32),
-                         num_tokens=jnp.int32(T), status=jnp.zeros((4,), jnp.int32))
+                         num_tokens=jnp.int32(T), status=jnp.zeros((errors.STATUS_WORDS,), jnp.int32))
 
 
 EXPERT_Y_DTYPE = r"^expert_y must have dtype bfloat16, float16 or float32 no wider than out_dtype \(bfloat16\); got "
@@ -328,20 +328,25 @@ def test_global_view_num_tokens_must_be_one_count_per_rank(comm):
                               num_tokens=jnp.zeros((WORLD, 2), jnp.int32))
 
 
-# The symmetric-heap size is computed twice: in Python (sizing the heap before NVSHMEM starts, also where the
-# extension is absent) and in ffi/runtime.cu (the allocation). They must agree.
+# The symmetric layout is computed in Python alone (also where the extension is absent, for sizing the heap); the
+# extension carves its buffers by these names.
 @pytest.mark.parametrize("fields", [
     dict(num_experts=8, experts_per_token=2, hidden=64, max_tokens=16),
     dict(num_experts=12, experts_per_token=3, hidden=100, max_tokens=5, dp_size=3, align=4, out_dtype=jnp.float32),
     dict(num_experts=256, experts_per_token=8, hidden=7168, max_tokens=128, dtype=jnp.float8_e4m3fn,
          scale_block=128),
 ], ids=["small", "dp3-align4", "r1"])
-def test_python_and_cuda_symmetric_sizes_agree(fields):
-    from jax_moe_comm import _native, nvshmem_backend
+def test_the_symmetric_layout_tiles_its_bytes_with_aligned_buffers(fields):
+    from jax_moe_comm import nvshmem_backend
 
-    if _native.ext is None:
-        pytest.skip("the CUDA extension is not built here")
     cfg = MoECommConfig(**fields)
     for world in (3, 6) if cfg.dp_size == 3 else (2, 4):
+        layout = nvshmem_backend.symmetric_layout(cfg, world)
+        end = 0
+        for name, (offset, size) in layout.items():
+            assert offset == end and offset % 16 == 0 and size % 16 == 0 and size > 0, (name, offset, size)
+            end = offset + size
+        assert nvshmem_backend.symmetric_bytes(cfg, world) == end
         sizes = nvshmem_backend.kernel_sizes(cfg, world, rank=0)
-        assert nvshmem_backend.symmetric_bytes(cfg, world) == _native.ext.symmetric_bytes(sizes), (fields, world)
+        assert layout["dispatch_slots"][1] >= world * sizes["slots_per_source"] * sizes["token_stride"]
+        assert layout["round_failures"][1] == 2 * world * errors.STATUS_WORDS * 4

@@ -508,7 +508,8 @@ def test_capacity_overflow_raises(base, rng, seed, routing):
     case = base.with_capacity(min(needed) - 1)
     problem.case = case
     args = problem.global_args(problem.random_expert_y(rng, case.capacity))
-    with pytest.raises(Exception, match=r"rows arrived but capacity is \d+; raise MoECommConfig.capacity"):
+    with pytest.raises(Exception, match=r"rows arrived but capacity is \d+ \(\d+ too many\): raise "
+                                        r"MoECommConfig.capacity to at least \d+"):
         jax.block_until_ready(fused_fn(case)(*args))
     assert_next_valid_call_works(case, rng, seed, routing, "num_tokens_zero")  # fits any capacity
 

@@ -36,13 +36,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from nvshmem_cases import TOLERANCE, routing  # noqa: E402
 
 import jax_moe_comm as jmc  # noqa: E402
-from jax_moe_comm import _native, runtime  # noqa: E402
+from jax_moe_comm import _native, errors, runtime  # noqa: E402
 from jax_moe_comm.launch import initialize_distributed  # noqa: E402
 from jax_moe_comm.nvshmem_backend import (  # noqa: E402
     _DTYPE_CODE,
     combine_weights_at,
     fused_halves_enabled,
     kernel_sizes,
+    symmetric_layout,
 )
 
 C = jmc.MoECommConfig
@@ -116,10 +117,19 @@ class DeviceArrays:
         self.ptrs = []
 
 
+def create_context(cfg, world, rank, timeout_s=None, staged=None):
+    """Collective: a context of `cfg` for this rank, as MoEComm makes one (timeout: JAX_MOE_COMM_TIMEOUT_S, staged
+    puts: JAX_MOE_COMM_STAGED, unless given). Returns (context, its Sizes)."""
+    timeout_s = float(os.environ.get("JAX_MOE_COMM_TIMEOUT_S", 30)) if timeout_s is None else timeout_s
+    staged = bool(os.environ.get("JAX_MOE_COMM_STAGED")) if staged is None else staged
+    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), timeout_s)
+    return _native.ext.create_context(sizes, symmetric_layout(cfg, world), staged), sizes
+
+
 def reference_round_trip(cfg, world, x, ids, w, scales, counts):
     """The reference backend over `world` local CPU devices: (expert_x, scales, group_sizes, row_origin, y), global."""
     mesh = Mesh(np.array(jax.local_devices()[:world]), ("ep",))
-    comm = jmc.MoEComm(cfg, mesh, "ep", backend="reference")
+    comm = jmc.MoEComm(cfg, mesh, "ep", backend="reference", check_errors=False)  # a failed one gives NaN
 
     def put(a):
         return None if a is None else jax.device_put(a, NamedSharding(mesh, P("ep")))
@@ -143,7 +153,7 @@ def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
     reduced = p2p and weights_at in ("send", "dispatch")
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
-    status = [mem.alloc(16) for _ in range(4)]
+    status = [mem.alloc(4 * errors.STATUS_WORDS) for _ in range(4)]
     x_d, ids_d, w_d, n_d = mem.put(x.astype(cfg.dtype)), mem.put(ids), mem.put(w), mem.put(np.int32([n]))
     scales_d = mem.put(scales if scales is not None else np.zeros((T, 0), np.float32))
     out = dict(expert_x=mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize),
@@ -204,9 +214,20 @@ def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, fu
                 DeviceArrays.get(out["group_sizes"], (L,), np.int32),
                 DeviceArrays.get(out["row_origin"], (cap,), np.int32),
                 DeviceArrays.get(out["out"], (T, H), cfg.out_dtype),
-                [DeviceArrays.get(s, (4,), np.int32) for s in out["status"]])
+                [DeviceArrays.get(s, (errors.STATUS_WORDS,), np.int32) for s in out["status"]])
     finally:
         mem.free()
+
+
+def run_with_env(case, rank, world, seed):
+    """A CASES entry (cfg, routing kind[, environment while its context is made]) through run_case."""
+    cfg, kind, *env = case
+    os.environ.update(env[0] if env else {})
+    try:
+        return run_case(rank, world, seed, cfg, kind)
+    finally:
+        for var in env[0] if env else {}:
+            del os.environ[var]
 
 
 def run_case(rank, world, seed, cfg, kind, repeats=2):
@@ -218,8 +239,7 @@ def run_case(rank, world, seed, cfg, kind, repeats=2):
     counts = np.full(world, T, np.int32)
     scales = (rng.random((world * T, cfg.scale_cols)) + 0.5).astype(np.float32) if cfg.is_fp8 else None
     ref = reference_round_trip(cfg, world, x, ids, w, scales, counts)
-    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count())
-    ctx = _native.ext.create_context(sizes)
+    ctx, sizes = create_context(cfg, world, rank)
     try:
         p2p = bool(_native.ext.context_p2p(ctx))
         cap, L = sizes["capacity"], sizes["local_experts"]
@@ -304,9 +324,8 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine"):
     x = rng.standard_normal((T, H)).astype(np.float32)
     w = rng.random((T, K)).astype(np.float32)
     scales = (rng.random((T, cfg.scale_cols)) + 0.5).astype(np.float32)
-    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count())
     ext = _native.ext
-    ctx = ext.create_context(sizes)
+    ctx, sizes = create_context(cfg, world, rank)
     mem = DeviceArrays()
     try:
         p2p = bool(ext.context_p2p(ctx))
@@ -333,6 +352,127 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine"):
     finally:
         mem.free()
         ext.destroy_context(ctx)
+
+
+# Faults ------------------------------------------------------------------------------------------------------
+# Injected into real round trips between real ranks (PEs sharing one GPU work too). Every round trip's outcome is
+# "correct" (its round-trip status clean and every output equal to the reference's) or the failure's text (status
+# non-zero on every rank, y NaN); a clean status with a wrong output fails the case: a fault must never become a
+# wrong number.
+FAULT_TIMEOUT_S = 2.0
+
+
+def draw_round(cfg, world, seed, num_tokens=None):
+    """Fresh inputs of one round trip (the same on every rank) and the reference's outputs."""
+    rng = np.random.default_rng(seed)
+    T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, "uniform", world * T, cfg, world)
+    w = rng.random((world * T, K)).astype(np.float32)
+    counts = np.full(world, T if num_tokens is None else num_tokens, np.int32)
+    return (x, ids, w, counts), reference_round_trip(cfg, world, x, ids, w, None, counts)
+
+
+def round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, fused):
+    """(outcome, seconds) of one round trip through the kernels: "correct", or the round trip's failure text."""
+    x, ids, w, counts = inputs
+    T = cfg.max_tokens
+    rows = slice(rank * T, (rank + 1) * T)
+    start = time.time()
+    got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows], None, int(counts[rank]), weights_at,
+                            fused)
+    took = time.time() - start
+    trip = got[5][3]  # combine_recv's status: the round trip's, every rank's first failure merged
+    if trip[errors.CODE] == 0:
+        check_round_trip(got, ref, rank, T, sizes["capacity"], sizes["local_experts"], cfg, weights_at)
+        return "correct", took
+    assert np.isnan(got[4].astype(np.float32)).all(), f"a failed round trip gave numbers: {errors.describe(trip)}"
+    return errors.describe(trip), took
+
+
+def host_barrier(name: str) -> None:
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(f"jax_moe_comm/harness/{name}", 120_000)
+
+
+def fault_round_trips(rank, world, seed, absent_rank_skips: bool) -> str:
+    """The last rank comes 2 x timeout late to round trip 1 (or skips it: `absent_rank_skips`), then five more
+    round trips follow, then a collective reset and one more. Round trip 1 fails on every rank within one timeout;
+    the five after it are refused at once with the same failure named; after the reset the round trip is correct."""
+    cfg = C(4 * world, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    ctx, sizes = create_context(cfg, world, rank, timeout_s=FAULT_TIMEOUT_S)
+    ext = _native.ext
+    try:
+        p2p = bool(ext.context_p2p(ctx))
+        weights_at = "send" if p2p else "recv"
+        late = world - 1
+        outcomes, times = [], []
+        for trip in range(6):
+            inputs, ref = draw_round(cfg, world, seed + trip)
+            if trip == 0 and rank == late:
+                if absent_rank_skips:
+                    host_barrier(f"skipped_{seed}")  # the others' round trip 1 has ended
+                    outcomes.append("skipped")
+                    times.append(0.0)
+                    continue
+                time.sleep(2 * FAULT_TIMEOUT_S)
+            outcome, took = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, p2p)
+            if trip == 0 and absent_rank_skips:
+                host_barrier(f"skipped_{seed}")
+            outcomes.append(outcome)
+            times.append(took)
+        first = outcomes[0] if not (absent_rank_skips and rank == late) else outcomes[1]
+        assert "timed out waiting for rank" in first, f"round trip 1 on rank {rank}: {first}"
+        assert all(o != "correct" for o in outcomes), f"a round trip after the failure ran: {outcomes}"
+        assert len({o for o in outcomes if o != "skipped"}) == 1, f"the failure changed: {outcomes}"
+        if rank != late:
+            assert times[0] < 1.5 * FAULT_TIMEOUT_S, f"round trip 1 took {times[0]:.1f}s: more than one timeout"
+        assert max(times[1:]) < 0.5, f"a refused round trip took {max(times[1:]):.1f}s"
+        held = ext.host_failure(ctx)
+        assert held[errors.CODE] == errors.TIMEOUT and errors.describe(held).split(";")[0] in first, \
+            f"the host words hold another failure: {errors.describe(held)}"
+        ext.reset_context(ctx)
+        inputs, ref = draw_round(cfg, world, seed + 6)
+        after, _ = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, p2p)
+        assert after == "correct", f"after reset: {after}"
+        assert ext.host_failure(ctx)[errors.CODE] == 0
+        return (f"trip 1 failed in {times[0]:.1f}s (timeout {FAULT_TIMEOUT_S:.0f}s): {first.split(': ', 1)[1][:70]}; "
+                f"5 refused in <= {max(times[1:]) * 1e3:.0f} ms; after reset correct")
+    finally:
+        ext.destroy_context(ctx)
+
+
+def fault_overflow(rank, world, seed) -> str:
+    """T = 4096 into a capacity of 512: every rank's round trip ends in well under a timeout (no combine waits for
+    rows that were dropped) with the overflow named on every rank, for rows per slot and pre-reduced rows, four
+    kernels and fused; then a round trip that fits is correct."""
+    cfg = C(16, 4, 128, 4096, dtype=jnp.float32, out_dtype=jnp.float32, capacity=512)
+    ctx, sizes = create_context(cfg, world, rank, timeout_s=FAULT_TIMEOUT_S)
+    try:
+        p2p = bool(_native.ext.context_p2p(ctx))
+        inputs, ref = draw_round(cfg, world, seed)
+        slowest, texts = 0.0, set()
+        for fused in (False, True)[:2 if p2p else 1]:
+            for weights_at in ("recv", "send") if p2p else ("recv",):
+                outcome, took = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, fused)
+                assert "rows arrived but capacity is 512" in outcome, outcome
+                slowest, texts = max(slowest, took), texts | {outcome}
+        assert slowest < FAULT_TIMEOUT_S / 2, f"an overflowing round trip took {slowest:.1f}s"
+        assert _native.ext.host_failure(ctx)[errors.CODE] == errors.CAPACITY_OVERFLOW
+        inputs, ref = draw_round(cfg, world, seed + 1, num_tokens=32)
+        fits, _ = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, "recv", False)
+        assert fits == "correct", fits
+        return f"{len(texts)} text(s), slowest {slowest * 1e3:.0f} ms: {sorted(texts)[0].split(': ', 1)[1][:80]}"
+    finally:
+        _native.ext.destroy_context(ctx)
+
+
+FAULTS = {
+    "fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False),
+    "fault: a rank that never arrives, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, True),
+    "fault: capacity overflow at T=4096": fault_overflow,
+}
 
 
 def shared_seed(rank: int, seed: int) -> int:
@@ -374,7 +514,8 @@ def main() -> int:
         _native.ext.finalize()
         return 0
     passed = failed = 0
-    for i, (name, (cfg, kind, *env)) in enumerate(CASES.items()):
+    cases = {name: (lambda r, w, s, c=case: run_with_env(c, r, w, s)) for name, case in CASES.items()}
+    for i, (name, case) in enumerate({**cases, **FAULTS}.items()):
         if args.only and not any(p in name for p in args.only.split("|")):
             continue
         if name in TOO_SLOW_UNDER_SANITIZER and os.environ.get("JMC_UNDER_SANITIZER"):
@@ -382,14 +523,10 @@ def main() -> int:
             continue
         t0 = time.time()
         faulthandler.dump_traceback_later(args.case_limit, exit=True)  # a rank left waiting: stacks, then exit
-        os.environ.update(env[0] if env else {})
         try:
-            info, ok = run_case(rank, world, seed + i, cfg, kind), True
+            info, ok = case(rank, world, seed + i), True
         except Exception as exc:  # report and go on (both ranks run every case: create_context is collective)
             info, ok = f"{type(exc).__name__}: {str(exc)[:300]}", False
-        finally:
-            for var in env[0] if env else {}:
-                del os.environ[var]
         faulthandler.cancel_dump_traceback_later()
         passed, failed = passed + ok, failed + (not ok)
         print(f"{'PASS' if ok else 'FAIL'} {name} ({time.time() - t0:.1f}s, seed {seed + i}): {info}", flush=True)

@@ -30,6 +30,10 @@ from jax_moe_comm.launch import initialize_distributed
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 
 
+class Skip(Exception):  # noqa: N818 (a case outcome, not an error)
+    """A case that cannot run here (its reason)."""
+
+
 def routing(rng, kind: str, rows: int, cfg: jmc.MoECommConfig, world: int) -> np.ndarray:
     """topk_ids [rows, K]: distinct experts per token, with variants."""
     E, K = cfg.num_experts, cfg.experts_per_token
@@ -71,6 +75,8 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
     dtype's tolerance. weights_to="dispatch": the weights go with dispatch (into the handle) and combine takes none;
     the NVSHMEM result then also equals, bit for bit, its result with the weights given to combine."""
     world = mesh.shape["ep"]
+    if world < 2 and (kind == "rank0_only" or cfg.dp_size > 1):
+        raise Skip("needs two ranks")
     rng = np.random.default_rng(seed)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
     rows = world * T
@@ -212,6 +218,9 @@ def case_scan_layers(mesh, seed):
         f = jax.jit(jax.shard_map(layers, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
         t0 = time.time()
         compiled = f.lower(x, ids, w).compile()
+        if backend == "nvshmem" and os.environ.get("JMC_HLO_DIR") and jax.process_index() == 0:
+            with open(os.path.join(os.environ["JMC_HLO_DIR"], "scan_layers.hlo"), "w") as out:
+                out.write(compiled.as_text())
         t1 = time.time()
         outs[backend] = gather(compiled(x, ids, w))
         t2 = time.time()
@@ -269,6 +278,8 @@ def case_grad(mesh, seed, dp_size=1, linear_loss=False):
     linear_loss: sum(y), so dy is all ones and no data of the forward round trip reaches the backward's dispatch on
     the same MoEComm: only the library's own tie can order it after the forward's combine."""
     world = mesh.shape["ep"]
+    if world % dp_size:
+        raise Skip(f"needs a multiple of {dp_size} ranks")
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32, dp_size=dp_size)
     rng = np.random.default_rng(seed)
     L = 8 // world
@@ -414,20 +425,6 @@ def case_grad_composition(mesh, seed, composition, layers=3):
     return compare_grads(grads, ("x", "topk_weights", "expert weights"), 1e-4)
 
 
-def raises_promptly(call, text: str, what: str, limit_s: float = 5.0) -> str:
-    """Runs call() to completion: it must raise an error containing `text` (a JaxRuntimeError carrying
-    MoECommError's message) within `limit_s`, i.e. without any rank waiting for a timeout."""
-    start = time.time()
-    try:
-        call().block_until_ready()
-    except Exception as exc:  # noqa: BLE001 (checked below)
-        assert text in str(exc), str(exc)[:500]
-        took = time.time() - start
-        assert took < limit_s, f"the error took {took:.1f}s: a rank waited for a timeout"
-        return f"raised in {took:.1f}s: " + str(exc).split("jax_moe_comm:")[-1].split("\n")[0][:110]
-    raise AssertionError(f"no error raised for {what}")
-
-
 def case_probe(mesh, seed, flagged=False):
     """The bench's floor probe (ffi/probe.cu): every rank gets the previous rank's rows, call after call (flagged:
     in words that carry their own validity, polled by the receiver)."""
@@ -450,9 +447,26 @@ def case_probe(mesh, seed, flagged=False):
         comm.close()
 
 
+def deferred_raise(call, text: str, limit_s: float = 5.0) -> str:
+    """The default error check: call() once gives NaN, its failure is raised by the next call (at its first round
+    trip: the previous execution's failure is settled there), quickly. Returns what was raised."""
+    start = time.time()
+    first = np.asarray(gather(call()), np.float32)
+    assert np.isnan(first).all(), "the failed call gave numbers"
+    try:
+        jax.block_until_ready(call())
+    except Exception as exc:  # noqa: BLE001 (checked below)
+        assert text in str(exc), str(exc)[:500]
+        took = time.time() - start
+        assert took < limit_s, f"the error took {took:.1f}s: a rank waited for a timeout"
+        return f"raised by the next call, {took:.1f}s: " + str(exc).split("jax_moe_comm:")[-1].split("\n")[0][:100]
+    raise AssertionError("the next call raised nothing")
+
+
 def case_out_of_order(mesh, seed):
     """Two round trips interleaved on one MoEComm (both dispatches before either combine): the kernels refuse the
-    phases that run out of order and the call fails with the expected-phase message, quickly, on every rank.
+    phases that run out of order, the call gives NaN on every rank and the next one raises the expected-phase
+    message, at once; the MoEComm then refuses every call until a collective reset, after which it works.
     Optimization barriers fix that order (XLA may otherwise run the independent round trips one after the other,
     which is in order)."""
     world = mesh.shape["ep"]
@@ -472,21 +486,42 @@ def case_out_of_order(mesh, seed):
         y2, _ = jax.lax.optimization_barrier((second.expert_x, out1))  # the second combine last
         return out1 + jmc.combine(comm, y2, second.handle, w)
 
+    @jax.jit
+    def one(x, i, w):
+        d = jmc.dispatch(comm, x, i)
+        return jmc.combine(comm, d.expert_x, d.handle, w)
+
     try:
-        return raises_promptly(lambda: f(x, ids, w), "while this MoEComm expected", "interleaved round trips")
+        said = deferred_raise(lambda: f(x, ids, w), "while this MoEComm expected")
+        try:  # refused until reset, every call
+            jax.block_until_ready(one(x, ids, w))
+            raise AssertionError("a failed MoEComm ran a round trip before reset")
+        except Exception as exc:  # noqa: BLE001
+            assert "while this MoEComm expected" in str(exc), str(exc)[:300]
+        comm.reset()
+        y = gather(one(x, ids, w))
+        np.testing.assert_array_equal(y, np.full((world * 16, 64), 2.0, np.float32))
+        return said + "; after reset correct"
     finally:
         comm.close()
 
 
+def bad_ids(mesh, bad_layer: int, world: int) -> tuple:
+    """(x, ids[layers], w): every rank's token 3 names expert 99 in `bad_layer`."""
+    ids = np.tile(np.array([[0, 5]], np.int32), (3, world * 16, 1))
+    ids[bad_layer, 3::16, 1] = 99
+    x = to_global(mesh, np.ones((world * 16, 64), np.float32))
+    w = to_global(mesh, np.ones((world * 16, 2), np.float32))
+    return x, ids, w
+
+
 def case_bad_ids(mesh, seed):
-    """An expert id >= E on every rank: the round trip completes everywhere, then fails with the message."""
+    """An expert id >= E on every rank, one round trip per call: the call completes everywhere with NaN, the next
+    call raises the message, and the call after it (valid ids) is correct: a routing error is raised once."""
     world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
     comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
-    ids = np.tile(np.array([[0, 5]], np.int32), (world * 16, 1))
-    ids[3::16, 1] = 99  # token 3 of every rank
-    x = to_global(mesh, np.ones((world * 16, 64), np.float32))
-    w = to_global(mesh, np.ones((world * 16, 2), np.float32))
+    x, ids, w = bad_ids(mesh, 0, world)
 
     @jax.jit
     def f(x, i, w):
@@ -494,18 +529,50 @@ def case_bad_ids(mesh, seed):
         return jmc.combine(comm, d.expert_x, d.handle, w)
 
     try:
-        return raises_promptly(lambda: f(x, to_global(mesh, ids), w),
-                               "expert id 99 of token 3 is outside [-1, num_experts)", "expert id 99")
+        said = deferred_raise(lambda: f(x, to_global(mesh, ids[0]), w),
+                              "expert id 99 of token 3 is outside [-1, num_experts)")
+        y = gather(f(x, to_global(mesh, ids[1]), w))
+        np.testing.assert_array_equal(y, np.full((world * 16, 64), 2.0, np.float32))
+        return said + "; the next valid call correct"
+    finally:
+        comm.close()
+
+
+def case_bad_ids_in_a_chain(mesh, seed, sync: bool = False):
+    """Three round trips on one MoEComm in one call, a bad id in the first: the same call raises (the check of the
+    third round trip, two after the failure; with check_errors="sync" the first's own callback), on every rank, at
+    once."""
+    world = mesh.shape["ep"]
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem", check_errors="sync" if sync else True)
+    x, ids, w = bad_ids(mesh, 0, world)
+
+    @jax.jit
+    def chain(x, i, w):
+        for layer in range(3):
+            d = jmc.dispatch(comm, x, i[layer])
+            x = x + jmc.combine(comm, d.expert_x, d.handle, w)
+        return x
+
+    try:
+        start = time.time()
+        try:
+            jax.block_until_ready(chain(x, to_global_layers(mesh, ids), w))
+        except Exception as exc:  # noqa: BLE001
+            assert "expert id 99 of token 3 is outside" in str(exc), str(exc)[:400]
+            took = time.time() - start
+            assert took < 5, f"took {took:.1f}s"
+            return f"raised in the same call, {took:.1f}s"
+        raise AssertionError("no error raised by the call")
     finally:
         comm.close()
 
 
 def case_timeout(mesh, seed):
-    """Rank 1 skips a call: rank 0's round trip fails after the timeout naming the phase and the peer. Both ranks
-    then close the MoEComm (collective: rank 1 waits there for rank 0)."""
-    os.environ["JAX_MOE_COMM_TIMEOUT_S"] = "3"  # read when the MoEComm is created
+    """Rank 1 skips a call: rank 0's round trip fails after one timeout (NaN), and its next call raises naming the
+    phase and the peer. Both ranks then close the MoEComm (collective: rank 1 waits there for rank 0)."""
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
+    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem", timeout_s=3)
     try:
         return _timeout_on_rank0(comm)
     finally:
@@ -513,6 +580,8 @@ def case_timeout(mesh, seed):
 
 
 def _timeout_on_rank0(comm) -> str:
+    if jax.process_count() == 1:
+        raise Skip("needs a second rank to leave out")
     if jax.process_index() == 1:
         return "rank 1 skipped the call"
     # Rank 0 alone: a one-device program running the per-shard round trip of the same two-rank context.
@@ -524,13 +593,18 @@ def _timeout_on_rank0(comm) -> str:
 
     f = jax.jit(jax.shard_map(trip, mesh=single, in_specs=P(), out_specs=P(), check_vma=False))
     ids = jnp.tile(jnp.array([[0, 5]], jnp.int32), (16, 1))
+    args = (jnp.ones((16, 64), jnp.float32), ids, jnp.ones((16, 2), jnp.float32))
     start = time.time()
+    y = np.asarray(f(*args))
+    took = time.time() - start
+    assert np.isnan(y).all(), "a round trip that timed out gave numbers"
+    assert took < 2 * comm.timeout_s, f"the round trip took {took:.1f}s: more than one timeout"
     try:
-        f(jnp.ones((16, 64), jnp.float32), ids, jnp.ones((16, 2), jnp.float32)).block_until_ready()
+        f(*args).block_until_ready()
     except Exception as exc:
         text = str(exc)
         assert "dispatch_recv failed on rank 0: timed out waiting for rank 1" in text, text[:500]
-        return f"raised after {time.time() - start:.1f}s: " + text.split("jax_moe_comm:")[-1].split("\n")[0][:100]
+        return f"failed after {took:.1f}s, raised by the next call: " + text.split("jax_moe_comm:")[-1][:100]
     raise AssertionError("no timeout raised")
 
 
@@ -620,6 +694,8 @@ def main() -> int:
         ("the bench's floor probe, flagged words", lambda s: case_probe(mesh, s, flagged=True)),
         ("ids first: interleaved round trips", lambda s: ids_first(lambda: case_out_of_order(mesh, s))),
         ("bad expert id", lambda s: case_bad_ids(mesh, s)),
+        ("bad expert id in a chain of 3 round trips", lambda s: case_bad_ids_in_a_chain(mesh, s)),
+        ("bad expert id in a chain, check_errors='sync'", lambda s: case_bad_ids_in_a_chain(mesh, s, sync=True)),
         ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: the timeouts last (3 s from here on)
         ("ids first: timeout (rank 1 skips)", lambda s: ids_first(lambda: case_timeout(mesh, s))),
     ]
@@ -635,6 +711,11 @@ def main() -> int:
         try:
             info = fn(seed + i)
             ok = True
+        except Skip as why:
+            faulthandler.cancel_dump_traceback_later()
+            if jax.process_index() == 0:
+                print(f"SKIP {name}: {why}", flush=True)
+            continue
         except Exception as exc:  # report and go on to the next case
             info, ok = f"{type(exc).__name__}: {str(exc)[:400]}", False
             traceback.print_exc(file=sys.stderr)

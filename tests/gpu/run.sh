@@ -6,13 +6,14 @@
 #   TESTS=0 | cases             skip bootstrap, launcher, cases and demo | run the cases alone (default: all)
 #   TRAIN="args"                the training example on both backends through the launcher, losses compared
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
-#   RANKS=1                     BENCH, TRACE and MARKS on one GPU (world 1: the fixed costs without a peer; default 2)
+#   RANKS=1                     the cases, BENCH, TRACE and MARKS on one GPU (world 1: no peer; default 2)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
 #   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank);
 #                               MARKS_ENVS="A=1;B=2" repeats them under each of those environments
 #                               MARKS_ARGS="--weights-to dispatch": weights given to dispatch where combine pre-reduces
-#   HARNESS=1                   the kernel harness's cases (no XLA: four kernels and the two fused ones)
+#   HARNESS=1                   the kernel harness's cases (no XLA: four kernels and the two fused ones) and its faults
+#                               (HARNESS_RANKS="2 4 8": at each of those world sizes; HARNESS_ONLY: their --only)
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
 #                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
@@ -59,6 +60,8 @@ export PATH=$PATH:/usr/local/cuda/bin:/usr/local/cuda/compute-sanitizer
 for tool in compute-sanitizer; do echo "$tool: $(command -v $tool || echo absent)"; done | tee -a "$OUT/summary.txt"
 
 step "build"
+# From scratch: on a machine kept warm between calls the objects of an earlier tree can look newer than these sources.
+[ "${KEEP_BUILD:-0}" = 1 ] || rm -rf build/gpu
 timeout 400 cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v python3)" \
   -DJAX_MOE_COMM_CUDA_ARCHITECTURES="${ARCHS:-90}" > "$LOGS/build.log" 2>&1 &&
   timeout 400 cmake --build build/gpu >> "$LOGS/build.log" 2>&1 &&
@@ -86,8 +89,8 @@ step "two-node launch exit codes $rc0 $rc1"
 fi
 
 if [ "${TESTS:-1}" != 0 ]; then  # TESTS=cases: the cases alone
-step "NVSHMEM vs reference cases"
-timeout 900 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
+step "NVSHMEM vs reference cases, ${RANKS:-2} rank(s)"
+timeout 900 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
   ${CASES_SKIP:+--skip "$CASES_SKIP"} \
   > "$LOGS/cases.log" 2>&1
 rc=$?
@@ -135,14 +138,16 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
       | tee -a "$OUT/summary.txt"
   done
 fi
-if [ "${HARNESS:-0}" = 1 ]; then
-  shared=""; [ "${SHARED_GPU:-0}" = 1 ] && shared="CUDA_VISIBLE_DEVICES=0,0"
-  step "kernel harness cases (no XLA on the GPU)${shared:+, both ranks on GPU 0}"
-  env $shared NVSHMEM_DISABLE_NCCL=1 timeout 300 python3 -m jax_moe_comm.launch -n 2 \
-    -- tests/gpu/kernel_harness.py > "$LOGS/harness.log" 2>&1
-  rc=$?
-  case_results "$LOGS/harness.log"
-  step "kernel harness exit code $rc"
+if [ "${HARNESS:-0}" = 1 ]; then  # HARNESS_RANKS="2 4 8": once per world size; HARNESS_ONLY: its --only
+  for n in ${HARNESS_RANKS:-2}; do
+    shared=""; [ "${SHARED_GPU:-0}" = 1 ] && shared="CUDA_VISIBLE_DEVICES=0$(printf ',0%.0s' $(seq 2 $n))"
+    step "kernel harness cases, $n ranks (no XLA on the GPU)${shared:+, every rank on GPU 0}"
+    env $shared NVSHMEM_DISABLE_NCCL=1 timeout 400 python3 -m jax_moe_comm.launch -n $n \
+      -- tests/gpu/kernel_harness.py ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} > "$LOGS/harness_$n.log" 2>&1
+    rc=$?
+    case_results "$LOGS/harness_$n.log"
+    step "kernel harness ($n ranks) exit code $rc"
+  done
 fi
 if [ "${PROBE:-0}" = 1 ]; then
   step "first-pass probe (one GPU)"
