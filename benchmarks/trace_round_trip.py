@@ -2,7 +2,7 @@
 GPU activity per kernel name and the device timeline of one chain call (rank 0; every rank with --all-ranks).
 
     python -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py --tokens 128 [--check] [--chain 4]
-        [--env JAX_MOE_COMM_PREREDUCE_MIN_TOKENS=1] [--all-ranks]
+        [--option prereduce_min_tokens=1] [--all-ranks]
 
 Needs CUPTI (shipped with jax's CUDA plugin); without it the trace holds host events only and this says so.
 """
@@ -14,7 +14,6 @@ import collections
 import glob
 import gzip
 import json
-import os
 import sys
 import tempfile
 
@@ -24,6 +23,7 @@ from jax.sharding import Mesh
 
 from jax_moe_comm import bench
 from jax_moe_comm._cli import prepare_process
+from jax_moe_comm.bench.cli import OPTION_NAMES, parse_option
 from jax_moe_comm.launch import initialize_distributed
 
 
@@ -62,17 +62,15 @@ def main() -> int:
     p.add_argument("--config", default="r1")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--chain", type=int, default=4)
-    p.add_argument("--check", action="store_true", help="keep the per-round-trip error callback")
+    p.add_argument("--check", action="store_true", help="MoEComm(check_errors=True), the default's deferred check")
     p.add_argument("--all-ranks", action="store_true",
                    help="every rank prints its report (a kernel that waits measures its peer's lateness too)")
     p.add_argument("--host", action="store_true",
                    help="also the host's activity per event name (XLA's thunks, command buffer updates, FFI calls)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="set before the MoEComm is built, e.g. JAX_MOE_COMM_PREREDUCE_MIN_TOKENS=1 (repeatable)")
+    p.add_argument("--option", dest="options", type=parse_option, action="append", default=[], metavar="NAME=VALUE",
+                   help=f"a MoEComm option, repeatable; NAME of {', '.join(OPTION_NAMES)}")
     args = p.parse_args()
-    for item in args.env:
-        name, _, value = item.partition("=")
-        os.environ[name] = value
+    options = dict(args.options)
     initialize_distributed()
     mesh = Mesh(np.array(jax.devices()), (bench.AXIS,))
     cfg = bench.CONFIGS[args.config]
@@ -85,7 +83,7 @@ def main() -> int:
     x, scales = bench.make_tokens(bench.seeded(1, args.tokens), cfg, n_rows)
     ids, w = bench.make_routing(bench.seeded(2, args.tokens), cfg, n_rows)
     dev = tuple(bench.to_global(a, mesh) for a in (x, scales, ids, w))
-    impl = bench.make_impl(args.backend, cfg, args.tokens, mesh, check_errors=args.check)
+    impl = bench.make_impl(args.backend, cfg, args.tokens, mesh, check_errors=args.check, options=options)
     fn = bench.lower_chain(bench.round_trip_chain(impl, cfg, args.chain), mesh, dev).compile()
     for _ in range(3):
         jax.block_until_ready(fn(*dev))
@@ -98,7 +96,7 @@ def main() -> int:
     if jax.process_index() != 0 and not args.all_ranks:
         return 0
     gpu = device_events(events)
-    print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain} check={args.check} env={args.env}: "
+    print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain} check={args.check} options={options}: "
           f"{len(events)} trace events, {len(gpu)} on GPU tracks")
     if not gpu:
         names = collections.Counter(e.get("name", "") for e in events if e.get("ph") == "X")

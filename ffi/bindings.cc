@@ -25,6 +25,13 @@ int field(const std::map<std::string, int64_t>& sizes, const char* name) {
   return static_cast<int>(it->second);
 }
 
+// The context with this id; a ValueError (nanobind) for an unknown one.
+jmc::Context* context(int64_t id) {
+  jmc::Context* ctx = jmc::find_context(id);
+  if (ctx == nullptr) throw std::invalid_argument("jax_moe_comm: no context " + std::to_string(id) + " (closed?)");
+  return ctx;
+}
+
 jmc::Sizes sizes_from(const std::map<std::string, int64_t>& d) {
   jmc::Sizes s{};
 #define JMC_FIELD(name) s.name = field(d, #name)
@@ -69,8 +76,17 @@ NB_MODULE(_nvshmem_ext, m) {
   m.def("constants", [] {
     return std::map<std::string, int>{{"status_words", jmc::kStatusWords},
                                       {"max_experts_per_token", jmc::kMaxExpertsPerToken},
-                                      {"fatal_codes", jmc::kFatalCodes}, {"refused", jmc::kRefused}};
-  }, "Protocol constants of the kernels (jax_moe_comm/errors.py checks its own against them).");
+                                      {"fatal_codes", jmc::kFatalCodes}, {"refused", jmc::kRefused},
+                                      {"bfloat16", jmc::kBf16}, {"float16", jmc::kF16}, {"float32", jmc::kF32}};
+  }, "The kernels' constants: status words, error codes (errors.py checks its own against them) and the RowType "
+     "code of each combine dtype (the handlers' integer dtype attributes).");
+  m.def("measurement_build", [] {
+#ifdef JMC_MEASUREMENT
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether this build has the measurement instruments (kernel marks, the bench's floor probes).");
   m.def("set_messages", [](const std::string& header, const std::map<int32_t, std::string>& parts,
                            const std::string& joiner, const std::string& fatal_suffix,
                            const std::vector<std::string>& phases) {
@@ -78,40 +94,46 @@ NB_MODULE(_nvshmem_ext, m) {
   }, "The texts of failures raised by the check handler (from jax_moe_comm/errors.py).");
   m.def("describe_failure", &jmc::describe_failure, "A failure's text, as the check handler raises it.");
   m.def("create_context", [](const std::map<std::string, int64_t>& sizes,
-                             const std::map<std::string, std::pair<size_t, size_t>>& layout, bool staged) {
+                             const std::map<std::string, std::pair<size_t, size_t>>& layout, bool staged,
+                             int ids_first_min_tokens) {
     std::string error;
     jmc::Context* ctx;
     {
       nb::gil_scoped_release released;
-      ctx = jmc::create_context(sizes_from(sizes), layout, staged, &error);
+      ctx = jmc::create_context(sizes_from(sizes), layout, staged, ids_first_min_tokens, &error);
     }
     if (ctx == nullptr) throw std::runtime_error("jax_moe_comm: " + error);
-    return reinterpret_cast<intptr_t>(ctx);
-  }, nb::arg("sizes"), nb::arg("layout"), nb::arg("staged") = false,
+    return jmc::register_context(ctx);
+  }, nb::arg("sizes"), nb::arg("layout"), nb::arg("staged"), nb::arg("ids_first_min_tokens"),
         "Collective: allocate one MoEComm's symmetric buffers (layout: name -> (offset, bytes)); returns the "
-        "context address for the handlers.");
-  m.def("destroy_context", [](intptr_t ctx) { jmc::destroy_context(reinterpret_cast<jmc::Context*>(ctx)); },
-        nb::call_guard<nb::gil_scoped_release>(), "Collective: free a context's symmetric buffers.");
-  m.def("reset_context", [](intptr_t ctx) {
+        "context's id, the handlers' `context` attribute.");
+  m.def("destroy_context", [](int64_t id) {
+    jmc::Context* ctx = context(id);
+    jmc::unregister_context(id);
+    nb::gil_scoped_release released;
+    jmc::destroy_context(ctx);
+  }, "Collective: free a context's symmetric buffers.");
+  m.def("reset_context", [](int64_t id) {
+    jmc::Context* ctx = context(id);
     std::string error;
     {
       nb::gil_scoped_release released;
-      error = jmc::reset_context(reinterpret_cast<jmc::Context*>(ctx));
+      error = jmc::reset_context(ctx);
     }
     if (!error.empty()) throw std::runtime_error("jax_moe_comm: reset: " + error);
   }, "Collective: after a failure, the context as created (waits for this device first).");
-  m.def("host_failure", [](intptr_t ctx) { return jmc::host_failure(reinterpret_cast<jmc::Context*>(ctx)); },
+  m.def("host_failure", [](int64_t id) { return jmc::host_failure(context(id)); },
         "The first failure the device has told the host of and not yet cleared (status words; code 0: none).");
-  m.def("clear_host_failure", [](intptr_t ctx) { jmc::clear_host_failure(reinterpret_cast<jmc::Context*>(ctx)); });
-  m.def("context_p2p", [](intptr_t ctx) { return reinterpret_cast<jmc::Context*>(ctx)->p2p; },
+  m.def("clear_host_failure", [](int64_t id) { jmc::clear_host_failure(context(id)); });
+  m.def("context_p2p", [](int64_t id) { return context(id)->p2p; },
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
-  m.def("take_kernel_marks", [](intptr_t ctx) {
-    return jmc::take_kernel_marks(reinterpret_cast<jmc::Context*>(ctx));
-  }, "[phase * kMarks + mark] globaltimer ns of the last round trip's kernel steps (JAX_MOE_COMM_KERNEL_MARKS=1 at "
-     "creation; else empty), cleared.");
-  m.def("launch_phase", [](intptr_t ctx, const std::string& phase, const std::map<std::string, int64_t>& args,
+#ifdef JMC_MEASUREMENT
+  m.def("take_kernel_marks", [](int64_t id) { return jmc::take_kernel_marks(context(id)); },
+        "[phase * kMarks + mark] globaltimer ns of the last round trip's kernel steps, cleared (measurement builds).");
+#endif
+  m.def("launch_phase", [](int64_t id, const std::string& phase, const std::map<std::string, int64_t>& args,
                            intptr_t stream) {
-    const std::string error = jmc::launch_phase(reinterpret_cast<jmc::Context*>(ctx), phase, args, stream);
+    const std::string error = jmc::launch_phase(jmc::find_context(id), phase, args, stream);
     if (!error.empty()) throw std::runtime_error("jax_moe_comm " + phase + ": CUDA launch failed: " + error);
   }, nb::arg("ctx"), nb::arg("phase"), nb::arg("args"), nb::arg("stream") = 0,
         "Launch one phase's kernel without XLA (device pointers as integers); tests/gpu/kernel_harness.py.");
@@ -123,7 +145,9 @@ NB_MODULE(_nvshmem_ext, m) {
         {"combine_recv", nb::capsule(reinterpret_cast<void*>(jmc_combine_recv))},
         {"dispatch", nb::capsule(reinterpret_cast<void*>(jmc_dispatch))},
         {"combine", nb::capsule(reinterpret_cast<void*>(jmc_combine))},
+#ifdef JMC_MEASUREMENT
         {"probe", nb::capsule(reinterpret_cast<void*>(jmc_probe))},
+#endif
         {"check", nb::capsule(reinterpret_cast<void*>(jmc_check))}};
   }, "XLA FFI handler capsules for jax.ffi.register_ffi_target(..., platform='CUDA').");
 }

@@ -1,7 +1,7 @@
 // combine_recv: y[t] = sum over live slots k (in slot order) of w[t,k] * row(t,k), accumulated in fp32; or, when
 // combine_send pre-reduced, the sum of the token's partial rows over the ranks that hold its experts.
 // Each thread owns kChunk consecutive columns of one token row and waits for that token's live slots itself, so
-// every SM works even when one token is live (a warp per token walked 7168 columns serially: ~750 us). The last
+// every SM works even when one token is live (a warp per token would walk the whole row serially). The last
 // block to finish resets the arrival counters. Then the one global barrier: wait for every
 // peer's sync flag (it has finished reading the dispatch buffers this rank writes next) and reset it.
 #pragma once
@@ -32,8 +32,8 @@ __device__ inline int partial_ranks(const Sizes& s, const int32_t* ids, int* ran
 // Pre-reduced rows, summed into out (partial rows of type In), ranks in ascending order. A warp takes a contiguous
 // range of (token, kChunk columns) items, lanes interleaved (coalesced), kPartialSteps steps' loads in flight per
 // lane. A lane's steps stay within one token for many steps (28 at R1), so the token's ids row is read once and its
-// ranks are kept: a grid-strided item per thread met a new token's ids row at every step, a first-touch load
-// (~0.4 us) before the partial rows' loads.
+// ranks are kept (a grid-strided item per thread would meet a new token's ids row, a first-touch load, at every
+// step, before the partial rows' loads).
 constexpr int kPartialSteps = 4;
 template <typename In, typename Out>
 __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens, bool vector) {

@@ -1,6 +1,6 @@
 // The state of one MoEComm on one rank: static sizes plus pointers into the NVSHMEM symmetric heap.
 // Created once (collectively) by MoEComm construction, reused by every call; handlers find it through the
-// integer attribute `context` (the address of this struct).
+// integer attribute `context`: its id in the extension's registry (runtime.h), never an address.
 #pragma once
 
 #include <cstddef>
@@ -54,13 +54,15 @@ constexpr uint32_t kSlotLanded = 1, kSlotDropped = 2;
 // A sync flag's value besides 1: its rank published a failure of this round trip (round_failures).
 constexpr uint32_t kPublishedFailure = 2;
 
-// Kernel marks (JAX_MOE_COMM_KERNEL_MARKS=1): globaltimer stamps of each phase's steps, for the kernel harness's
-// --marks table. Stamped by thread 0 of block 0, except kAllDone and kEnd (the last block) and the per-slot
-// combine_send's kWaited (its last block, which signals the sync flags). kStep1 and kStep2 are points inside a
-// kernel's work (between kWaited and kWorked), each kernel says which; inside a loop the last iteration of thread 0
-// stamps them (at one token per rank, its only one).
-enum Mark : int32_t { kStart = 0, kWaited = 1, kWorked = 2, kClosed = 3, kAllDone = 4, kEnd = 5, kStep1 = 6, kStep2 = 7 };
-constexpr int kMarks = 8;
+// Kernel marks (measurement builds only: JAX_MOE_COMM_MEASUREMENT, which defines JMC_MEASUREMENT): globaltimer stamps
+// of each phase's steps, for the kernel harness's --marks table. Stamped by thread 0 of block 0, except kAllDone and
+// kEnd (the last block) and the per-slot combine_send's kWaited (its last block, which signals the sync flags).
+// kStep1 and kStep2 are points inside a kernel's work (between kWaited and kWorked), each kernel says which; inside
+// a loop the last iteration of thread 0 stamps them (at one token per rank, its only one). All enumerators, so that
+// a product build holds no symbol of them.
+enum Mark : int32_t {
+  kStart = 0, kWaited = 1, kWorked = 2, kClosed = 3, kAllDone = 4, kEnd = 5, kStep1 = 6, kStep2 = 7, kMarks = 8
+};
 
 struct Sizes {
   int rank, world, dp_size, num_dp;
@@ -75,11 +77,14 @@ struct Sizes {
   int sm_count;  // each launch sizes its grid from its work, capped by this
 };
 
+// The element types of combine rows, by the codes the launch helpers take (handlers.cu derives them from XLA's
+// element types; jax_moe_comm asks the extension for them: constants()).
+enum RowType : int { kBf16 = 0, kF16 = 1, kF32 = 2 };
+
 constexpr int kMaxNvlinkPeers = 72;  // ranks whose peer offsets a Context holds (an NVLink domain); more: staged
 constexpr int kMaxExpertsPerToken = 32;  // jax_moe_comm/nvshmem_backend.py MAX_EXPERTS_PER_TOKEN
 constexpr int kThreads = 256;  // threads per block of every kernel (8 warps)
 constexpr int kMaxBlocksPerSm = 2048 / kThreads;  // resident blocks of kThreads an SM can hold
-constexpr int kIdsFirstMinTokens = 1024;  // Context::ids_first: a grid barrier and a second signal more per dispatch
 
 // The local words of a MoEComm (device memory, never addressed by peers), in one struct at the end of the
 // allocation.
@@ -94,8 +99,10 @@ struct LocalWords {
   unsigned host_lock;                      // held while a thread writes HostWords::failure
   int32_t refusing;                        // set by a kernel's last block once `fatal` is or the abort word is: the
                                            // next kernels refuse (every block of a kernel reads the same value)
+#ifdef JMC_MEASUREMENT
   uint32_t probe_epoch;                    // probes (ffi/probe.cu) this MoEComm has run
   unsigned probe_blocks[2];                // blocks of the running probe past its send, past its copy
+#endif
 };
 
 // Mapped pinned host memory (read by the host with no synchronisation; the device writes it).
@@ -127,7 +134,9 @@ struct Context {
   uint64_t* weights_ready;    // [world] tagged(epoch, 1) once that source's weights landed here
   char* combine_partials;     // [world][max_tokens] combine rows: rank r's weighted sum of token t's rows on r
   uint64_t* partials_ready;   // [world] tagged(epoch, 1) once every partial row from that rank landed here
+#ifdef JMC_MEASUREMENT
   uint64_t* probe_ready;      // [world] the epoch of the last probe (ffi/probe.cu) whose bytes landed from that rank
+#endif
   int32_t* round_failures;    // [2][world][kStatusWords] by epoch parity: source s's first failure of that round trip
                               // (a routing error or overflow), published before its next signal
   int32_t* fatal_failures;    // [world][kStatusWords] source s's protocol failure, published before the abort word
@@ -139,7 +148,9 @@ struct Context {
   HostWords* host_words;      // device address of the mapped pinned host words
   HostWords* host_view;       // the same words, host address (the check handler reads them)
   HostState* host_state;
-  uint64_t* marks;            // [4 phases][kMarks] (device memory, not symmetric), or null: no stamps
+#ifdef JMC_MEASUREMENT
+  uint64_t* marks;            // [4 phases][kMarks] (device memory), or null: no stamps
+#endif
   int32_t* block_counts;      // [L * num_dp][kMaxBlocksPerSm * sm_count] (device memory, not symmetric; with
                               // ids_first, else null): rows of each (local expert, group) in each block's shares of
                               // the arrivals (histogram_split)
@@ -148,8 +159,8 @@ struct Context {
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put
   bool ids_first;             // the fused dispatch sends every ids row before any row (dispatch.cu): NVLink, one
-                              // replica per DP group, and JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS (default
-                              // kIdsFirstMinTokens) tokens per rank or more (and block_counts allocated)
+                              // replica per DP group, and MoEComm's ids_first_min_tokens tokens per rank or more
+                              // (and block_counts allocated)
   char* base;                 // the symmetric allocation
   size_t symmetric_bytes;
   const Context* on_device;   // this struct's copy in device memory, for the kernels' failure paths (JMC_COLD)

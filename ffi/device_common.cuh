@@ -22,8 +22,7 @@ __device__ inline uint64_t now_ns() {
 }
 
 // Symmetric `ptr` as rank pe's copy of it, mapped here through NVLink (Context::p2p): an offset read from the kernel's
-// parameters, where nvshmem_ptr loads NVSHMEM's device state from memory (dispatch_send's first row at R1 T=1: 7.2
-// -> 6.6 us in the step marks, benchmarks/NOTES.md entry 14).
+// parameters, where nvshmem_ptr loads NVSHMEM's device state from memory (a dependent load before the first store).
 template <typename T>
 __device__ inline T* peer_ptr(const Context& ctx, T* ptr, int pe) {
   return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(ptr) + ctx.peer_offset[pe]);
@@ -321,11 +320,13 @@ __device__ inline bool last_block_done(unsigned* counter) {
   return last;
 }
 
-// A kernel mark (when enabled: ctx.marks): block 0's thread 0 stamps it; `last` stamps it in any block (the
-// caller is the last block). One branch on a null pointer otherwise.
+// A kernel mark (measurement builds: ctx.marks): block 0's thread 0 stamps it; `last` stamps it in any block (the
+// caller is the last block). Nothing in other builds.
 __device__ inline void mark(const Context& ctx, Phase phase, Mark point, bool last = false) {
+#ifdef JMC_MEASUREMENT
   if (ctx.marks != nullptr && threadIdx.x == 0 && (last || blockIdx.x == 0))
     ctx.marks[phase * kMarks + point] = now_ns();
+#endif
 }
 
 // True when a finished phase's status lets its completion signals go (see finish_phase).
@@ -480,9 +481,11 @@ cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, co
                             cudaStream_t stream);
 cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, const CombineRecvArgs& recv,
                            cudaStream_t stream);
-// The bench's floor (probe.cu, NVLink path only): bytes of x to the next rank, the previous rank's into out;
-// `flagged`: in words that carry their own validity instead of a fence and a signal.
+#ifdef JMC_MEASUREMENT
+// The bench's floor (probe.cu, NVLink path only; measurement builds): bytes of x to the next rank, the previous
+// rank's into out; `flagged`: in words that carry their own validity instead of a fence and a signal.
 cudaError_t launch_probe(const Context& ctx, const void* x, void* out, long long bytes, int32_t* status,
                          bool flagged, cudaStream_t stream);
+#endif
 
 }  // namespace jmc

@@ -156,8 +156,8 @@ __device__ inline void read_token_counts(const Context& ctx, Receive& r, int alo
 // 2. Rows per (local expert, group) over a share's arrivals (or [from, to) of its pass): a histogram over the arrived
 //    tokens' ids (counts, hence deterministic), a thread per arrival; rows of arrivals before the share go to
 //    `before`, the others to `count`. Rows of up to kUnrolledSlots ids: several in flight per thread, then counted
-//    from registers (a load per slot between the shared atomics made this pass ~50 us of the T=4096 dispatch). One
-//    shared atomic per row (an atomic on both for the rows before the share made ~1.5 atomics per row).
+//    from registers (a load per slot between the shared atomics would serialize them). One shared atomic per row
+//    (an atomic on both for the rows before the share would make ~1.5 atomics per row).
 __device__ inline void histogram(const Context& ctx, Receive& r, const Share& sh, int from, int to) {
   const Sizes& s = ctx.s;
   const int L = s.local_experts, G = s.num_dp, K = s.experts_per_token, first_local = s.rank * L;
@@ -206,7 +206,7 @@ __device__ inline void histogram_all(const Context& ctx, Receive& r, const Share
 
 // Each block histograms its own shares, publishes the counts (block_counts) and, after a grid barrier (every block
 // resident: a cooperative launch), sums the published counts, those of the blocks before it into `before` (every
-// block redoing the whole histogram took ~29 us at R1 T=4096; split, ~14). A group's arrivals are in one pass, and
+// block redoing the whole histogram costs about twice as much at large T). A group's arrivals are in one pass, and
 // a pass's shares follow block order, so the blocks before this one hold exactly the group's rows before its share.
 __device__ inline void histogram_split(const Context& ctx, Receive& r, const Share* shares, int passes) {
   for (int p = 0; p < passes; ++p) histogram(ctx, r, shares[p], shares[p].begin, shares[p].end);  // `count` only
@@ -272,7 +272,8 @@ __device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs&
 JMC_COLD void drop_slot(const Context& ctx, int g, int t, int k) {
   const Sizes& s = ctx.s;
   uint64_t* flag = ctx.combine_flags + static_cast<size_t>(t) * s.experts_per_token + k;
-  for (int j = 0; j < s.dp_size; ++j) signal_peer(ctx, flag, tagged(current_epoch(ctx), kSlotDropped), g * s.dp_size + j);
+  const uint64_t dropped = tagged(current_epoch(ctx), kSlotDropped);
+  for (int j = 0; j < s.dp_size; ++j) signal_peer(ctx, flag, dropped, g * s.dp_size + j);
 }
 
 // Where token t of DP group g's row (payload, scales) is read from: the slot it arrived in.
@@ -372,8 +373,7 @@ __device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs
 // The phase after its protocol-order check (dispatch_recv.cu), or right after the send in the fused dispatch
 // (dispatch.cu): every source's rows have landed once its ready word is set. Every block derives the whole layout
 // (a histogram of every arrival), then copies its own share of the arrivals. (histogram_split is for the ids-first
-// order alone: in this kernel its code, never run below 16 arrivals per block, made R1 T=128's histogram ~2 -> ~4 us
-// and its copies ~1 us slower on 2xH200, benchmarks/NOTES.md entry 24.)
+// order alone: compiled into this kernel, even unused, its code slows the histogram and the copies at small T.)
 __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs& a) {
   extern __shared__ int smem[];
   Receive r = carve_receive(ctx.s, smem);

@@ -18,7 +18,7 @@ namespace jmc {
 
 // Every token's routing is checked (each replica checks all, like the reference backend): a thread per token, its
 // ids row in registers (live_slots). A slot that is not live and not -1 is an error: out of range, else a repeat.
-// Slot by slot, with a load per comparison, this took ~4.6 us at T = 1 (a chain of dependent loads per thread).
+// (Slot by slot, with a load per comparison, it would be a chain of dependent loads per thread.)
 // `first_row`: this thread's first token's ids, already loaded (or null).
 __device__ inline void validate_ids(const Context& ctx, const DispatchSendArgs& a, int num_tokens,
                                     const IdsRow* first_row) {
@@ -112,7 +112,7 @@ __device__ inline void signal_ready(const Context& ctx, const DispatchSendArgs& 
 // token count and the validation of every live token's ids.
 __device__ inline bool begin_send(const Context& ctx, const DispatchSendArgs& a, int* my_tokens) {
   // The token count and this thread's first ids row do not depend on the protocol word: their loads go out with
-  // it, not after it (a kernel's first loads are dependent steps of ~0.5 us each). The row is read for any token
+  // it, not after it (a kernel's first loads are dependent steps, each a memory latency). The row is read for any token
   // below max_tokens (the ids are [max_tokens, K]) and used only if the token counts.
   const Sizes& s = ctx.s;
   const int K = s.experts_per_token, first = blockIdx.x * blockDim.x + threadIdx.x;

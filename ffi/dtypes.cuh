@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "context.h"
+
 namespace jmc {
 
 constexpr int kChunk = 8;  // columns per thread: one 16-byte load of bf16/fp16 rows
@@ -34,13 +36,13 @@ __device__ inline void add_chunk(float* acc, float w, const In* row, bool vector
   }
 }
 
-// Calls f with a value of the row type of a dtype code (0 bf16, 1 fp16, 2 fp32): the host picks a kernel's
-// instantiation, e.g. with_row_type(in, [](auto i) { return kernel<decltype(i)>; }).
+// Calls f with a value of the row type of a RowType code: the host picks a kernel's instantiation, e.g.
+// with_row_type(in, [](auto i) { return kernel<decltype(i)>; }).
 template <typename F>
 inline void* with_row_type(int code, F&& f) {
   switch (code) {
-    case 0: return f(__nv_bfloat16{});
-    case 1: return f(__half{});
+    case kBf16: return f(__nv_bfloat16{});
+    case kF16: return f(__half{});
     default: return f(float{});
   }
 }

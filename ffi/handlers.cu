@@ -1,10 +1,12 @@
-// XLA FFI handlers: unpack buffers, find the Context through the `context` attribute, launch the phase's kernel on
-// XLA's stream. No host synchronisation and no collective host work happens here.
+// XLA FFI handlers: unpack buffers, find the Context by its id (the `context` attribute), launch the phase's kernel on
+// XLA's stream. No host synchronisation and no collective host work happens here. Shapes: T = max_tokens, H = hidden,
+// K = experts per token, B = the fp8 scale block, C = capacity, L = local experts; "status" is int32[kStatusWords].
 #include <chrono>
 #include <string>
 #include <thread>
 
 #include "device_common.cuh"
+#include "dtypes.cuh"
 #include "handlers.h"
 #include "runtime.h"
 #include "xla/ffi/api/ffi.h"
@@ -14,104 +16,149 @@ namespace ffi = xla::ffi;
 namespace jmc {
 namespace {
 
-const Context& context_of(int64_t address) { return *reinterpret_cast<const Context*>(address); }
-
 ffi::Error launched(cudaError_t err, const char* phase) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jax_moe_comm ") + phase + ": CUDA launch failed: " +
                               cudaGetErrorString(err));
 }
 
-int dtype_code(ffi::DataType t) {  // shared with combine_recv.cu
+// Runs launch(context) for the context with this id, or fails the call (a MoEComm closed while a program that uses
+// it still runs).
+template <typename Launch>
+ffi::Error with_context(int64_t id, const char* phase, Launch&& launch) {
+  const Context* ctx = find_context(id);
+  if (ctx == nullptr)
+    return ffi::Error::InvalidArgument(std::string("jax_moe_comm ") + phase + ": this MoEComm was closed");
+  return launched(launch(*ctx), phase);
+}
+
+// The RowType of a combine buffer's element type (bf16, f16 or f32: MoEComm checks them).
+int row_type(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::BF16: return 0;
-    case ffi::DataType::F16: return 1;
-    default: return 2;
+    case ffi::DataType::BF16: return kBf16;
+    case ffi::DataType::F16: return kF16;
+    default: return kF32;
   }
 }
 
-// topk_weights [T, K] go with the ids rows (given to dispatch; the NVLink path); an empty array: none.
-// `after` is never read: an operand XLA must produce first, so the call runs after it (see design.md, "FFI and
-// ordering"; an optimization barrier would not hold, XLA drops those).
-ffi::Error DispatchSend(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
-                        ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::S32> num_tokens,
-                        ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*after*/,
-                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
+// `after` is never read by any handler: an operand XLA must produce first, so the call runs after it (see
+// design.md, "FFI and ordering").
+ffi::Error DispatchSend(cudaStream_t stream,
+                        ffi::AnyBuffer x,                      // [T, H] payload (cfg.dtype)
+                        ffi::Buffer<ffi::F32> scales,          // [T, H / B] fp8 scales, or [T, 0]
+                        ffi::Buffer<ffi::S32> topk_ids,        // [T, K] expert ids, -1 for none
+                        ffi::Buffer<ffi::S32> num_tokens,      // [] tokens of this rank that count
+                        ffi::Buffer<ffi::F32> topk_weights,    // [T, K] stored with the ids (NVLink path), or [0]
+                        ffi::AnyBuffer /*after*/,              // any
+                        ffi::Result<ffi::Buffer<ffi::S32>> status,  // this phase's status
+                        int64_t context) {
   DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                      status->typed_data(), topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
-  return launched(launch_dispatch_send(context_of(context), a, stream), "dispatch_send");
+  return with_context(context, "dispatch_send", [&](const Context& c) { return launch_dispatch_send(c, a, stream); });
 }
 
-ffi::Error DispatchRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status: orders recv after send*/,
-                        ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,
-                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes, ffi::Result<ffi::Buffer<ffi::S32>> row_origin,
-                        ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context) {
+ffi::Error DispatchRecv(cudaStream_t stream,
+                        ffi::Buffer<ffi::S32> /*send_status*/,             // orders the receive after the send
+                        ffi::Result<ffi::AnyBuffer> expert_x,              // [C, H] rows by local expert
+                        ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,  // [C, H / B], or [C, 0]
+                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,    // [L]
+                        ffi::Result<ffi::Buffer<ffi::S32>> row_origin,     // [C] (group * T + token) * K + slot
+                        ffi::Result<ffi::Buffer<ffi::S32>> status,         // this phase's status
+                        int64_t context) {
   DispatchRecvArgs a{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
                      row_origin->typed_data(), status->typed_data()};
-  return launched(launch_dispatch_recv(context_of(context), a, stream), "dispatch_recv");
+  return with_context(context, "dispatch_recv", [&](const Context& c) { return launch_dispatch_recv(c, a, stream); });
 }
 
-// topk_weights [T, K] pre-reduces (the NVLink path); an empty array sends the rows per slot. `weights_sent`: the
-// dispatch stored them on every rank already.
-ffi::Error CombineSend(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> row_origin,
-                       ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::Buffer<ffi::S32>> status,
-                       int64_t context, int64_t partial_dtype, int64_t weights_sent) {
+// `partial_type` (a RowType): the element type of the pre-reduced rows; `weights_sent` (0/1): the dispatch stored the
+// weights on every rank already. Integer attributes: the codes are RowType's, which jax_moe_comm asks for.
+ffi::Error CombineSend(cudaStream_t stream,
+                       ffi::AnyBuffer expert_y,                     // [C, H] expert outputs (bf16, f16, f32)
+                       ffi::Buffer<ffi::S32> row_origin,            // [C] from dispatch
+                       ffi::Buffer<ffi::F32> topk_weights,          // [T, K]: pre-reduce (NVLink path); [0]: per slot
+                       ffi::Result<ffi::Buffer<ffi::S32>> status,   // this phase's status
+                       int64_t context, int64_t partial_type, int64_t weights_sent) {
   CombineSendArgs a{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
                     row_origin.typed_data(), status->typed_data(),
                     topk_weights.element_count() ? topk_weights.typed_data() : nullptr,
-                    dtype_code(expert_y.element_type()), static_cast<int>(partial_dtype), weights_sent != 0};
-  return launched(launch_combine_send(context_of(context), a, stream), "combine_send");
+                    row_type(expert_y.element_type()), static_cast<int>(partial_type), weights_sent != 0};
+  return with_context(context, "combine_send", [&](const Context& c) { return launch_combine_send(c, a, stream); });
 }
 
-ffi::Error CombineRecv(cudaStream_t stream, ffi::Buffer<ffi::S32> /*send_status*/, ffi::Buffer<ffi::S32> topk_ids,
-                       ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context,
-                       int64_t in_dtype, int64_t reduced) {
+// `rows_type` (a RowType): the element type of the rows in flight (expert_y's, or the pre-reduced rows');
+// `reduced` (0/1): they arrived pre-reduced, one per (token, expert rank).
+ffi::Error CombineRecv(cudaStream_t stream,
+                       ffi::Buffer<ffi::S32> /*send_status*/,       // orders the receive after the send
+                       ffi::Buffer<ffi::S32> topk_ids,              // [T, K] this rank's routing
+                       ffi::Buffer<ffi::F32> topk_weights,          // [T, K]
+                       ffi::Buffer<ffi::S32> num_tokens,            // []
+                       ffi::Result<ffi::AnyBuffer> out,             // [T, H] out_dtype
+                       ffi::Result<ffi::Buffer<ffi::S32>> status,   // the round trip's status (every rank's)
+                       int64_t context, int64_t rows_type, int64_t reduced) {
   CombineRecvArgs a{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
-                    static_cast<int>(in_dtype), dtype_code(out->element_type()), status->typed_data(), reduced != 0};
-  return launched(launch_combine_recv(context_of(context), a, stream), "combine_recv");
+                    static_cast<int>(rows_type), row_type(out->element_type()), status->typed_data(), reduced != 0};
+  return with_context(context, "combine_recv", [&](const Context& c) { return launch_combine_recv(c, a, stream); });
 }
 
 // The fused dispatch (NVLink path): dispatch_send's arguments, dispatch_recv's results and both statuses.
-ffi::Error Dispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> topk_ids,
-                    ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::F32> topk_weights, ffi::AnyBuffer /*after*/,
-                    ffi::Result<ffi::AnyBuffer> expert_x,
-                    ffi::Result<ffi::Buffer<ffi::F32>> expert_scales, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
-                    ffi::Result<ffi::Buffer<ffi::S32>> row_origin, ffi::Result<ffi::Buffer<ffi::S32>> send_status,
-                    ffi::Result<ffi::Buffer<ffi::S32>> recv_status, int64_t context) {
+ffi::Error Dispatch(cudaStream_t stream,
+                    ffi::AnyBuffer x,                                  // [T, H]
+                    ffi::Buffer<ffi::F32> scales,                      // [T, H / B], or [T, 0]
+                    ffi::Buffer<ffi::S32> topk_ids,                    // [T, K]
+                    ffi::Buffer<ffi::S32> num_tokens,                  // []
+                    ffi::Buffer<ffi::F32> topk_weights,                // [T, K], or [0]
+                    ffi::AnyBuffer /*after*/,                          // any
+                    ffi::Result<ffi::AnyBuffer> expert_x,              // [C, H]
+                    ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,  // [C, H / B], or [C, 0]
+                    ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,    // [L]
+                    ffi::Result<ffi::Buffer<ffi::S32>> row_origin,     // [C]
+                    ffi::Result<ffi::Buffer<ffi::S32>> send_status,    // the send's status
+                    ffi::Result<ffi::Buffer<ffi::S32>> recv_status,    // the receive's status
+                    int64_t context) {
   DispatchSendArgs send{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                         send_status->typed_data(),
                         topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
   DispatchRecvArgs recv{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
                         row_origin->typed_data(), recv_status->typed_data()};
-  return launched(launch_dispatch(context_of(context), send, recv, stream), "dispatch");
+  return with_context(context, "dispatch", [&](const Context& c) { return launch_dispatch(c, send, recv, stream); });
 }
 
 // The fused combine (NVLink path); `reduced`: pre-reduce on the expert side (partial rows in out's dtype);
 // `weights_sent`: the dispatch stored the weights on every rank already.
-ffi::Error Combine(cudaStream_t stream, ffi::AnyBuffer expert_y, ffi::Buffer<ffi::S32> row_origin,
-                   ffi::Buffer<ffi::S32> topk_ids, ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> num_tokens,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> send_status,
-                   ffi::Result<ffi::Buffer<ffi::S32>> recv_status, int64_t context, int64_t reduced,
-                   int64_t weights_sent) {
-  const int in_dtype = dtype_code(expert_y.element_type()), out_dtype = dtype_code(out->element_type());
+ffi::Error Combine(cudaStream_t stream,
+                   ffi::AnyBuffer expert_y,                          // [C, H]
+                   ffi::Buffer<ffi::S32> row_origin,                 // [C]
+                   ffi::Buffer<ffi::S32> topk_ids,                   // [T, K]
+                   ffi::Buffer<ffi::F32> topk_weights,               // [T, K]
+                   ffi::Buffer<ffi::S32> num_tokens,                 // []
+                   ffi::Result<ffi::AnyBuffer> out,                  // [T, H] out_dtype
+                   ffi::Result<ffi::Buffer<ffi::S32>> send_status,   // the send's status
+                   ffi::Result<ffi::Buffer<ffi::S32>> recv_status,   // the round trip's status (every rank's)
+                   int64_t context, int64_t reduced, int64_t weights_sent) {
+  const int in_dtype = row_type(expert_y.element_type()), out_dtype = row_type(out->element_type());
   CombineSendArgs send{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
                        row_origin.typed_data(), send_status->typed_data(),
-                       reduced ? topk_weights.typed_data() : nullptr, in_dtype, out_dtype,
-                       reduced != 0 && weights_sent != 0};
+                       reduced ? topk_weights.typed_data() : nullptr, in_dtype, out_dtype, reduced && weights_sent};
+  const bool pre_reduced = reduced != 0;
   CombineRecvArgs recv{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
-                       reduced ? out_dtype : in_dtype, out_dtype, recv_status->typed_data(), reduced != 0};
-  return launched(launch_combine(context_of(context), send, recv, stream), "combine");
+                       pre_reduced ? out_dtype : in_dtype, out_dtype, recv_status->typed_data(), pre_reduced};
+  return with_context(context, "combine", [&](const Context& c) { return launch_combine(c, send, recv, stream); });
 }
 
+#ifdef JMC_MEASUREMENT
 // The bench's floor (probe.cu): x's bytes to the next rank; out gets the previous rank's. `flagged`: in words that
 // carry their own validity (no fence, no signal).
-ffi::Error Probe(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                 ffi::Result<ffi::Buffer<ffi::S32>> status, int64_t context, int64_t flagged) {
-  return launched(launch_probe(context_of(context), x.untyped_data(), out->untyped_data(),
-                               static_cast<long long>(x.size_bytes()), status->typed_data(), flagged != 0, stream),
-                  "probe");
+ffi::Error Probe(cudaStream_t stream,
+                 ffi::AnyBuffer x,                           // any, a multiple of 16 bytes
+                 ffi::Result<ffi::AnyBuffer> out,            // x's shape: what the previous rank sent
+                 ffi::Result<ffi::Buffer<ffi::S32>> status,  // a timeout's status
+                 int64_t context, int64_t flagged) {
+  return with_context(context, "probe", [&](const Context& c) {
+    return launch_probe(c, x.untyped_data(), out->untyped_data(), static_cast<long long>(x.size_bytes()),
+                        status->typed_data(), flagged != 0, stream);
+  });
 }
+#endif
 
 // The deferred error check, in front of each round trip's dispatch: XLA runs it on the host at every execution (it is
 // never recorded into a command buffer) and it does not synchronize the stream. It raises, as this call's error, the
@@ -122,9 +169,13 @@ ffi::Error Probe(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuff
 // same call of the same program, and no rank is left waiting in a collective for one that stopped. A routing error
 // is cleared once raised (the next round trip may succeed); a protocol failure is raised again by every later
 // check until comm.reset().
-ffi::Error Check(ffi::RunId run, ffi::AnyBuffer /*after: orders the check after the previous round trip*/,
-                 ffi::Result<ffi::Buffer<ffi::S32>> /*token: the dispatch's `after`*/, int64_t context, int64_t lag) {
-  Context& ctx = *reinterpret_cast<Context*>(context);
+ffi::Error Check(ffi::RunId run,
+                 ffi::AnyBuffer /*after*/,                   // orders the check after the previous round trip
+                 ffi::Result<ffi::Buffer<ffi::S32>> /*token*/,  // [1]: the dispatch's `after`
+                 int64_t context, int64_t lag) {
+  Context* found = find_context(context);
+  if (found == nullptr) return ffi::Error::InvalidArgument("jax_moe_comm: this MoEComm was closed");
+  Context& ctx = *found;
   HostState& host = *ctx.host_state;
   const bool first_of_execution = run.run_id != host.execution;
   host.execution = run.run_id;
@@ -155,95 +206,97 @@ ffi::Error Check(ffi::RunId run, ffi::AnyBuffer /*after: orders the check after 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_check, jmc::Check,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()          // after
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // token
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("lag"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::AnyBuffer>()          // after
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // status
                                   .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_recv, jmc::DispatchRecv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // send_status
+                                  .Ret<ffi::AnyBuffer>()          // expert_x
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // expert_scales
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // row_origin
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // status
                                   .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()          // expert_y
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_origin
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // status
                                   .Attr<int64_t>("context")
-                                  .Attr<int64_t>("partial_dtype")
+                                  .Attr<int64_t>("partial_type")
                                   .Attr<int64_t>("weights_sent"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // send_status
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // status
                                   .Attr<int64_t>("context")
-                                  .Attr<int64_t>("in_dtype")
+                                  .Attr<int64_t>("rows_type")
                                   .Attr<int64_t>("reduced"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch, jmc::Dispatch,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::AnyBuffer>()          // after
+                                  .Ret<ffi::AnyBuffer>()          // expert_x
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // expert_scales
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // row_origin
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // send_status
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_status
                                   .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine, jmc::Combine,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()          // expert_y
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // row_origin
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // send_status
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_status
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("reduced")
                                   .Attr<int64_t>("weights_sent"));
 
+#ifdef JMC_MEASUREMENT
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_probe, jmc::Probe,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // status
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("flagged"));
+#endif

@@ -10,6 +10,8 @@ XLA_FFI_Error* jmc_combine_send(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jmc_combine_recv(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jmc_dispatch(XLA_FFI_CallFrame* call_frame);  // the fused halves (NVLink path)
 XLA_FFI_Error* jmc_combine(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* jmc_probe(XLA_FFI_CallFrame* call_frame);  // the bench's floor (probe.cu)
+#ifdef JMC_MEASUREMENT
+XLA_FFI_Error* jmc_probe(XLA_FFI_CallFrame* call_frame);  // the bench's floor (probe.cu; measurement builds)
+#endif
 XLA_FFI_Error* jmc_check(XLA_FFI_CallFrame* call_frame);  // the deferred error check (host only)
 }

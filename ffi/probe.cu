@@ -7,6 +7,7 @@
 // Nor does a probe wait before reusing the peer's landing region: in a chain, the next probe's stores may reach the
 // peer while it still copies the last one's bytes out. Its result is then not the bytes sent (the bench checks none),
 // and the time stays a lower bound: a real protocol's handshake for that reuse is work the probe leaves out.
+// Compiled into the measurement build only (JAX_MOE_COMM_MEASUREMENT, which defines JMC_MEASUREMENT).
 #include <algorithm>
 
 #include "device_common.cuh"

@@ -59,21 +59,32 @@ CombineRecvArgs combine_recv_args(const Args& a, const char* status) {
 
 std::string launch_phase(Context* ctx, const std::string& phase, const Args& a, intptr_t stream_handle) {
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  // Every argument is read (and a missing one named) before the context is needed.
+  const auto need = [&]() -> Context& {
+    if (ctx == nullptr) throw std::invalid_argument("launch_phase: no such context (closed?)");
+    return *ctx;
+  };
   cudaError_t err;
   if (phase == "dispatch_send") {
-    err = launch_dispatch_send(*ctx, dispatch_send_args(a, "status"), stream);
+    const DispatchSendArgs send = dispatch_send_args(a, "status");
+    err = launch_dispatch_send(need(), send, stream);
   } else if (phase == "dispatch_recv") {
-    err = launch_dispatch_recv(*ctx, dispatch_recv_args(a, "status"), stream);
+    const DispatchRecvArgs recv = dispatch_recv_args(a, "status");
+    err = launch_dispatch_recv(need(), recv, stream);
   } else if (phase == "combine_send") {
-    err = launch_combine_send(*ctx, combine_send_args(a, "status"), stream);
+    const CombineSendArgs send = combine_send_args(a, "status");
+    err = launch_combine_send(need(), send, stream);
   } else if (phase == "combine_recv") {
-    err = launch_combine_recv(*ctx, combine_recv_args(a, "status"), stream);
+    const CombineRecvArgs recv = combine_recv_args(a, "status");
+    err = launch_combine_recv(need(), recv, stream);
   } else if (phase == "dispatch") {  // fused: both phases' arguments, statuses send_status and recv_status
     const DispatchSendArgs send = dispatch_send_args(a, "send_status");  // the send's missing arguments first
-    err = launch_dispatch(*ctx, send, dispatch_recv_args(a, "recv_status"), stream);
+    const DispatchRecvArgs recv = dispatch_recv_args(a, "recv_status");
+    err = launch_dispatch(need(), send, recv, stream);
   } else if (phase == "combine") {
     const CombineSendArgs send = combine_send_args(a, "send_status");
-    err = launch_combine(*ctx, send, combine_recv_args(a, "recv_status"), stream);
+    const CombineRecvArgs recv = combine_recv_args(a, "recv_status");
+    err = launch_combine(need(), send, recv, stream);
   } else {
     throw std::invalid_argument("launch_phase: unknown phase " + phase);
   }

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -77,7 +79,8 @@ size_t layout_bytes(const Layout& layout) {
 
 }  // namespace
 
-Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, std::string* error) {
+Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, int ids_first_min_tokens,
+                        std::string* error) {
   const size_t total = layout_bytes(layout);
   // One allocation (collective: same size on every rank), carved into the buffers; zeroed once. No word is ever
   // reset: every word a rank waits for carries the round trip's epoch.
@@ -105,7 +108,9 @@ Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, s
   ctx->weights_ready = region<uint64_t>(base, layout, "weights_ready", &missing);
   ctx->combine_partials = region<char>(base, layout, "combine_partials", &missing);
   ctx->partials_ready = region<uint64_t>(base, layout, "partials_ready", &missing);
+#ifdef JMC_MEASUREMENT
   ctx->probe_ready = region<uint64_t>(base, layout, "probe_ready", &missing);
+#endif
   ctx->round_failures = region<int32_t>(base, layout, "round_failures", &missing);
   ctx->fatal_failures = region<int32_t>(base, layout, "fatal_failures", &missing);
   ctx->abort_word = region<uint64_t>(base, layout, "abort_word", &missing);
@@ -130,20 +135,19 @@ Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, s
   }
   // The ids-first dispatch and its per-block histograms (local device memory, read only by that kernel; never read
   // before written in the same call: no zeroing). Without them the fused dispatch sends first.
-  const char* ids_first_min = std::getenv("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS");
-  ctx->ids_first = ctx->p2p && sizes.dp_size == 1 &&
-                   sizes.max_tokens >= (ids_first_min ? std::atoi(ids_first_min) : kIdsFirstMinTokens);
+  ctx->ids_first = ctx->p2p && sizes.dp_size == 1 && sizes.max_tokens >= ids_first_min_tokens;
   const size_t count_bytes = static_cast<size_t>(sizes.local_experts) * sizes.num_dp * kMaxBlocksPerSm *
                              sizes.sm_count * sizeof(int32_t);
   if (ctx->ids_first && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) {
     ctx->block_counts = nullptr;
     ctx->ids_first = false;
   }
-  if (std::getenv("JAX_MOE_COMM_KERNEL_MARKS") != nullptr &&
-      (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
-       cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess)) {
+#ifdef JMC_MEASUREMENT
+  if (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
+      cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess) {
     ctx->marks = nullptr;  // no stamps: take_kernel_marks says so
   }
+#endif
   *error = zero_context(ctx);
   Context* on_device = nullptr;
   if (error->empty() && (cudaMalloc(&on_device, sizeof(Context)) != cudaSuccess ||
@@ -231,6 +235,7 @@ std::string describe_failure(const std::vector<int32_t>& words) {
 
 void clear_host_failure(Context* ctx) { reinterpret_cast<volatile int32_t*>(ctx->host_view->failure)[kCode] = 0; }
 
+#ifdef JMC_MEASUREMENT
 std::vector<uint64_t> take_kernel_marks(Context* ctx) {
   std::vector<uint64_t> marks(kPhases * kMarks, 0);
   if (ctx->marks == nullptr) return {};
@@ -240,9 +245,38 @@ std::vector<uint64_t> take_kernel_marks(Context* ctx) {
     return {};
   return marks;
 }
+#endif
+
+namespace {
+std::mutex registry_mutex;
+std::map<int64_t, Context*>& registry() {
+  static std::map<int64_t, Context*> contexts;
+  return contexts;
+}
+int64_t next_context_id = 1;
+}  // namespace
+
+int64_t register_context(Context* ctx) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry()[next_context_id] = ctx;
+  return next_context_id++;
+}
+
+Context* find_context(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry().find(id);
+  return it == registry().end() ? nullptr : it->second;
+}
+
+void unregister_context(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry().erase(id);
+}
 
 void destroy_context(Context* ctx, bool collective) {
+#ifdef JMC_MEASUREMENT
   if (ctx->marks != nullptr) cudaFree(ctx->marks);
+#endif
   if (ctx->block_counts != nullptr) cudaFree(ctx->block_counts);
   if (ctx->local != nullptr) cudaFree(ctx->local);
   if (ctx->on_device != nullptr) cudaFree(const_cast<Context*>(ctx->on_device));

@@ -32,8 +32,16 @@ std::tuple<int, int, int> host_version();  // NVSHMEM version of the loaded libn
 using Layout = std::map<std::string, std::pair<size_t, size_t>>;
 
 // Collective: one MoEComm's symmetric buffers. `staged`: send through symmetric staging and puts even where NVLink
-// stores would reach every peer.
-Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, std::string* error);
+// stores would reach every peer; `ids_first_min_tokens`: from that max_tokens on (NVLink, one replica per DP group)
+// the fused dispatch sends its ids first (Context::ids_first).
+Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, int ids_first_min_tokens,
+                        std::string* error);
+
+// Contexts by id, the handlers' `context` attribute (ids are never reused: a compiled program names its context,
+// and a cached program must never reach another one). register_context returns the new id.
+int64_t register_context(Context* ctx);
+Context* find_context(int64_t id);  // null for an unknown (destroyed) id
+void unregister_context(int64_t id);
 void destroy_context(Context* ctx, bool collective = true);  // collective unless told otherwise (a failed creation)
 std::string zero_context(Context* ctx);  // every buffer and word as created; empty on success
 // Collective: after a failure, the context as created (every rank's kernels must have ended). Empty on success.
@@ -53,9 +61,11 @@ struct Messages {
 };
 void set_messages(const Messages& table);
 std::string describe_failure(const std::vector<int32_t>& words);
-// The kernel marks of the context's last round trip ([phase][Mark] globaltimer ns, 0 = not stamped), cleared; empty
-// unless JAX_MOE_COMM_KERNEL_MARKS was set when it was created. Synchronous (a device-to-host copy).
+#ifdef JMC_MEASUREMENT
+// The kernel marks of the context's last round trip ([phase][Mark] globaltimer ns, 0 = not stamped), cleared.
+// Synchronous (a device-to-host copy). Measurement builds only (JAX_MOE_COMM_MEASUREMENT).
 std::vector<uint64_t> take_kernel_marks(Context* ctx);
+#endif
 int sm_count();
 
 // One phase's kernel without XLA (raw_launch.cu): device pointers and the handlers' attributes by name, on a CUDA

@@ -1,4 +1,5 @@
-"""Custom VJPs of the fused dispatch and combine, built from the backend's own phases (DESIGN §3).
+"""The fused dispatch and combine of one backend on one buffer set (Phases), and their custom VJPs, built from the
+backend's own phases.
 
 The NVSHMEM phases are custom calls that JAX cannot differentiate; these rules give them gradients (the default
 there, ``MoEComm(custom_vjp=None)``). The reference backend uses plain JAX AD unless given ``custom_vjp=True``,
@@ -24,52 +25,70 @@ its replicas (their sum is exact; so is any gradient of the replicas' identical 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from .config import Geometry
 from .types import CombineHandle, Dispatched
 
-if TYPE_CHECKING:
-    from .comm import MoEComm
 
+@dataclasses.dataclass(frozen=True)
+class Phases:
+    """One backend's phases (``impl``: reference or nvshmem_backend) on one buffer set (``plan``: that backend's),
+    with the fused calls the VJP rules below are made of. ``grad``: the buffer set of an fp8 layer's backward round
+    trip (gradients never travel in fp8), or None."""
 
-def _backward_comm(comm: MoEComm) -> MoEComm:
-    """The MoEComm whose buffers carry the backward round trip: the layer's own, or for an fp8 payload its
-    grad_dtype buffer set (gradients never travel in fp8)."""
-    if comm.cfg.is_fp8:
-        if comm._grad_comm is None:
+    impl: ModuleType
+    plan: Any
+    geo: Geometry
+    weights_at: str  # where the fused combine gives the weights: "send" or "recv"
+    grad: Phases | None = None
+
+    def dispatch(self, x, topk_ids, scales, num_tokens, topk_weights=None, after=None) -> Dispatched:
+        """after: an array this dispatch must run after (the backward's dispatch of dy: the forward's output)."""
+        return self.impl.dispatch(self.plan, x, topk_ids, scales, num_tokens, topk_weights, after)
+
+    def combine(self, expert_y, handle, topk_weights) -> Array:
+        return self.impl.combine(self.plan, expert_y, handle, topk_weights, self.weights_at)
+
+    def backward(self) -> Phases:
+        """The phases whose buffers carry the backward round trip: these, or for an fp8 payload grad's."""
+        if not self.geo.cfg.is_fp8:
+            return self
+        if self.grad is None:
             raise NotImplementedError("gradients through an fp8 dispatch travel in a wider dtype: create the MoEComm "
                                       "with grad_dtype=jnp.bfloat16 (or float16/float32), which allocates the "
                                       "backward round trip's buffers")
-        return comm._grad_comm
-    return comm
+        return self.grad
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
+def dispatch(phases: Phases, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
              topk_weights: Array | None = None) -> Dispatched:
-    return comm._dispatch_primal(x, topk_ids, scales, num_tokens, topk_weights)
+    return phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
 
 
-def _dispatch_fwd(comm, x, topk_ids, scales, num_tokens, topk_weights=None):
-    d = comm._dispatch_primal(x, topk_ids, scales, num_tokens, topk_weights)
+def _dispatch_fwd(phases, x, topk_ids, scales, num_tokens, topk_weights=None):
+    d = phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
     return d, d.handle
 
 
-def _dispatch_bwd(comm, residuals, ct: Dispatched):
-    backward = _backward_comm(comm)
+def _dispatch_bwd(phases, residuals, ct: Dispatched):
+    cfg = phases.geo.cfg
     handle = residuals
-    rows = ct.expert_x.astype(comm.cfg.out_dtype)  # combine carries rows no wider than out_dtype
+    rows = ct.expert_x.astype(cfg.out_dtype)  # combine carries rows no wider than out_dtype
     live = (handle.topk_ids >= 0).astype(jnp.float32)  # combine drops dead slots and tokens >= num_tokens itself
-    dx = backward._combine_primal(rows, handle, live).astype(comm.cfg.dtype)  # x's cotangent has x's dtype
-    dp = comm.cfg.dp_size
+    dx = phases.backward().combine(rows, handle, live).astype(cfg.dtype)  # x's cotangent has x's dtype
+    dp = cfg.dp_size
     if dp > 1:  # every replica received the group's dx; each replica's x only sent the tokens it owns
-        own = jnp.arange(comm.cfg.max_tokens) % dp == jax.lax.axis_index(comm.axis_name) % dp
+        own = jnp.arange(cfg.max_tokens) % dp == jax.lax.axis_index(phases.geo.axis_name) % dp
         dx = jnp.where(own[:, None], dx, jnp.zeros_like(dx))
     # Weights given to dispatch only pass into the handle: their cotangent is the one combine gave the handle's.
     d_weights = None if handle.topk_weights is None else ct.handle.topk_weights
@@ -80,12 +99,12 @@ dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights: Array | None) -> Array:
-    return comm._combine_primal(expert_y, handle, topk_weights)
+def combine(phases: Phases, expert_y: Array, handle: CombineHandle, topk_weights: Array | None) -> Array:
+    return phases.combine(expert_y, handle, topk_weights)
 
 
-def _combine_fwd(comm, expert_y, handle, topk_weights):
-    y = comm._combine_primal(expert_y, handle, topk_weights)
+def _combine_fwd(phases, expert_y, handle, topk_weights):
+    y = phases.combine(expert_y, handle, topk_weights)
     done = y.reshape(-1)[:1]  # a value of the forward's last transfer: orders the backward's transfers after it
     return y, (expert_y, handle, topk_weights, done)
 
@@ -99,32 +118,33 @@ def _handle_cotangent(handle: CombineHandle, d_weights: Array) -> CombineHandle:
                          num_tokens=zero(handle.num_tokens), status=zero(handle.status), topk_weights=d_weights)
 
 
-def _combine_bwd(comm, residuals, dy):
-    backward = _backward_comm(comm)
+def _combine_bwd(phases, residuals, dy):
+    backward = phases.backward()
     expert_y, handle, given_weights, done = residuals
     topk_weights = handle.topk_weights if given_weights is None else given_weights
-    T, K, dp = comm.cfg.max_tokens, comm.cfg.experts_per_token, comm.cfg.dp_size
-    rank = jax.lax.axis_index(comm.axis_name)
+    cfg, axis, world = phases.geo.cfg, phases.geo.axis_name, phases.geo.world
+    T, K, dp = cfg.max_tokens, cfg.experts_per_token, cfg.dp_size
+    rank = jax.lax.axis_index(axis)
     if dp > 1:  # every replica of a DP group combined the same rows: their dy add up (one all_gather, T·H a rank)
-        all_dy = jax.lax.all_gather(dy.astype(jnp.float32), comm.axis_name)  # [world, T, H]
-        dy = all_dy.reshape(comm.world // dp, dp, T, -1).sum(axis=1)[rank // dp].astype(dy.dtype)
+        all_dy = jax.lax.all_gather(dy.astype(jnp.float32), axis)  # [world, T, H]
+        dy = all_dy.reshape(world // dp, dp, T, -1).sum(axis=1)[rank // dp].astype(dy.dtype)
     # dy[t] to every row that token t filled: the forward's routing, hence the forward's layout. This dispatch
     # reuses this MoEComm's buffers, so it must not start before the forward round trip has ended, and dy need not
     # depend on y (a linear loss): `after` makes the forward's output its operand.
-    expert_dy = backward._dispatch_primal(dy.astype(backward.cfg.dtype), handle.topk_ids, None,
-                                          handle.num_tokens, after=done).expert_x
+    expert_dy = backward.dispatch(dy.astype(backward.geo.cfg.dtype), handle.topk_ids, None, handle.num_tokens,
+                                  after=done).expert_x
     expert_dy = expert_dy.astype(jnp.float32)
     origin = handle.row_origin
     has_token = origin >= 0
     group, slot = jnp.where(has_token, origin // (T * K), 0), jnp.where(has_token, origin % (T * K), 0)
 
-    all_weights = jax.lax.all_gather(topk_weights.reshape(-1), comm.axis_name)  # [world, T*K]
+    all_weights = jax.lax.all_gather(topk_weights.reshape(-1), axis)  # [world, T*K]
     row_weight = jnp.where(has_token, all_weights[group * dp, slot], 0.0)  # any replica's: they are the same
     d_expert_y = (row_weight[:, None] * expert_dy).astype(expert_y.dtype)
 
     row_dot = jnp.where(has_token, jnp.sum(expert_dy * expert_y.astype(jnp.float32), axis=-1), 0.0)  # [capacity]
-    all_dots = jax.lax.all_gather(row_dot, comm.axis_name).reshape(-1)
-    all_origin = jax.lax.all_gather(origin, comm.axis_name).reshape(-1)
+    all_dots = jax.lax.all_gather(row_dot, axis).reshape(-1)
+    all_origin = jax.lax.all_gather(origin, axis).reshape(-1)
     mine = (all_origin >= 0) & (all_origin // (T * K) == rank // dp)
     index = jnp.where(mine, all_origin % (T * K), T * K)  # others dropped
     d_weights = jnp.zeros((T * K,), jnp.float32).at[index].add(all_dots, mode="drop").reshape(T, K)

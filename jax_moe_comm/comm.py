@@ -16,12 +16,11 @@ from jax import Array
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from . import _native, autodiff, nvshmem_backend, reference
-from .config import Geometry, MoECommConfig
+from . import autodiff, nvshmem_backend, reference, runtime
+from .config import Geometry, MoECommConfig, Options
 from .types import CombineHandle, Dispatched
 
 BACKENDS = ("auto", "nvshmem", "reference")
-CHECK_ERRORS = (True, False, "sync")
 COMBINE_DTYPES = [np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
 
 
@@ -57,12 +56,12 @@ class MoEComm:
         out of order; see errors.py). Whatever the setting, a failed round trip's combine output is NaN on every
         rank, and after a protocol failure every later call of this MoEComm returns NaN at once until ``reset()``.
 
-        - True (default): as a ``jax.errors.JaxRuntimeError`` carrying MoECommError's message. On the NVSHMEM
-          backend a host-side check in front of each round trip raises it, without synchronizing with the GPU,
-          from the second round trip on this MoEComm after the failed one: every rank raises at the same call
-          (the host waits until the GPU has finished the round trip two before, so it runs at most two round trips
-          ahead of the GPU); ``check()`` raises one the GPU has reported since. On the reference backend every rank
-          raises at the end of the failed round trip (a host callback).
+        - True (default): as a ``jax.errors.JaxRuntimeError`` carrying MoECommError's message, on every rank at
+          the same call, without a host synchronization per round trip. On the NVSHMEM backend a host-side check in
+          front of each round trip raises a failure of the previous jitted call (its first round trip waits until
+          the GPU has finished that call's round trips) or of this call from the second round trip after the failed
+          one (the host runs at most two round trips ahead of the GPU). On the reference backend every rank raises
+          at the end of the failed round trip (a host callback). ``check()`` raises one reported since.
         - "sync": at the end of the failed round trip on every backend (a host callback, which synchronizes the
           stream every round trip: for debugging).
         - False: nothing is raised; dispatch's own errors stay readable in ``handle.status``, and ``check()``
@@ -70,13 +69,20 @@ class MoEComm:
       timeout_s: seconds a kernel waits for a peer before the round trip fails (NVSHMEM backend). One wait that
         times out ends every wait of the job at once (the failing rank tells every other), so a dead or late peer
         costs one timeout.
+      prereduce_min_tokens: from this ``max_tokens`` on, the fused ``combine`` gives the weights to combine_send,
+        and the NVSHMEM backend's NVLink path then sums each token's rows on the expert side (one row per token and
+        expert rank travels back instead of one per slot); below it they go to combine_recv. Default 64, chosen by
+        measurement (benchmarks/NOTES.md): at few tokens the weights' own exchange costs more than the rows it
+        saves. ``combine_weights_at`` says which. The same sums either way, within out_dtype's rounding.
+      ids_first_min_tokens: from this ``max_tokens`` on (with one replica per DP group, NVLink path), the fused
+        ``dispatch`` sends every ids row before any row, so the receive's layout and this rank's own rows are made
+        while the rows to peers are on the link. Default 1024, chosen by measurement (benchmarks/NOTES.md): below it
+        the extra grid barrier costs more than it hides. The same results bit for bit.
+      staged: send through symmetric staging buffers and put-with-signal even where NVLink stores reach every peer
+        (the path to peers off NVLink; True tests it on one node). The same results bit for bit.
 
-    The fused ``combine`` gives the weights to combine_send (``combine_weights_at == "send"``: the NVSHMEM
-    backend's NVLink path then sums each token's rows on the expert side) when ``max_tokens`` is at least
-    JAX_MOE_COMM_PREREDUCE_MIN_TOKENS (default 64), else to combine_recv: below that the weights' own transfer costs
-    more than the rows it saves (benchmarks/NOTES.md). The reference backend gives the same result either way.
     On the NVSHMEM backend's NVLink path the fused ``dispatch`` and ``combine`` run one kernel each (send, then
-    receive), the split halves two (JAX_MOE_COMM_FUSED=0 splits the fused calls too); the results are the same.
+    receive), the split halves two; the results are the same.
 
     One MoEComm carries one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv, then
     the next dispatch. Data dependencies give XLA that order within a round trip (and, with custom_vjp, between
@@ -86,27 +92,26 @@ class MoEComm:
     buffers to share and accepts any order.
     """
 
-    def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto",
-                 custom_vjp: bool | None = None, check_errors: bool | str = True, grad_dtype: Any = None,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto", *,
+                 custom_vjp: bool | None = None, grad_dtype: Any = None, check_errors: bool | str = True,
+                 timeout_s: float = 30.0, prereduce_min_tokens: int = 64, ids_first_min_tokens: int = 1024,
+                 staged: bool = False) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if check_errors not in CHECK_ERRORS:
-            raise ValueError(f"check_errors must be True, False or 'sync', got {check_errors!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 86400:
-            raise ValueError(f"timeout_s must be a number of seconds in (0, 86400], got {timeout_s!r}")
+        options = Options(check_errors=check_errors, timeout_s=timeout_s, prereduce_min_tokens=prereduce_min_tokens,
+                          ids_first_min_tokens=ids_first_min_tokens, staged=staged)
         self.cfg = cfg
         self.mesh = mesh
         self.axis_name = axis_name
         self.world = int(mesh.shape[axis_name])
         cfg.validate_world(self.world, axis_name)
-        self.backend = _native.resolve_backend(backend, mesh)
-        self.timeout_s = float(timeout_s)
-        self._geo = Geometry(cfg, self.world, axis_name, check_errors=check_errors)
+        self.backend = runtime.resolve_backend(backend, mesh)
+        self.options = options
+        self._geo = Geometry(cfg, self.world, axis_name, options)
         self.custom_vjp = self.backend == "nvshmem" if custom_vjp is None else bool(custom_vjp)
         if grad_dtype is not None:
             if not cfg.is_fp8:
@@ -114,23 +119,29 @@ class MoEComm:
                                  "gradients travel in that dtype)")
             if np.dtype(grad_dtype) not in COMBINE_DTYPES:
                 raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {np.dtype(grad_dtype).name}")
-        self.combine_weights_at = nvshmem_backend.combine_weights_at(cfg)
-        nvshmem_backend.check_ids_first_threshold()
+        self.grad_dtype = None if grad_dtype is None else np.dtype(grad_dtype)
+        self.combine_weights_at = "send" if cfg.max_tokens >= options.prereduce_min_tokens else "recv"
         if self.backend == "nvshmem":
-            self._impl, self._plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh, self.timeout_s)
+            impl, plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
         else:
-            self._impl, self._plan = reference, self._geo
+            impl, plan = reference, self._geo
         # The buffers of an fp8 layer's backward round trip (see autodiff.py), in grad_dtype.
         self._grad_comm = None if grad_dtype is None else MoEComm(
             dataclasses.replace(cfg, dtype=grad_dtype, scale_block=None, capacity=self.capacity), mesh, axis_name,
-            backend=self.backend, custom_vjp=False, check_errors=check_errors, timeout_s=timeout_s)
+            backend=self.backend, custom_vjp=False, **dataclasses.asdict(options))
+        self._phases = autodiff.Phases(impl, plan, self._geo, self.combine_weights_at,
+                                       None if self._grad_comm is None else self._grad_comm._phases)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.options.timeout_s
 
     def check(self) -> None:
         """Raises MoECommError for a failure the device has reported and no check has raised yet (NVSHMEM backend;
         no synchronization: call it after the step's outputs are ready, e.g. after the last step). A routing error
         is raised once; a protocol failure until ``reset()``. The reference backend raises in the round trip."""
-        if self.backend == "nvshmem" and self._plan is not None:
-            nvshmem_backend.raise_pending(self._plan)
+        if self.backend == "nvshmem" and self._phases is not None:
+            nvshmem_backend.raise_pending(self._phases.plan)
             if self._grad_comm is not None:
                 self._grad_comm.check()
 
@@ -138,16 +149,16 @@ class MoEComm:
         """After a failure, the MoEComm as created (NVSHMEM backend; collective: every process calls it, after the
         failed step has ended). Waits for this device's queued work. A no-op on the reference backend, which keeps
         no state between calls."""
-        if self.backend == "nvshmem" and self._plan is not None:
-            nvshmem_backend.reset_plan(self._plan)
+        if self.backend == "nvshmem" and self._phases is not None:
+            nvshmem_backend.reset_plan(self._phases.plan)
             if self._grad_comm is not None:
                 self._grad_comm.reset()
 
     def close(self) -> None:
         """Frees the NVSHMEM symmetric buffers (collective: every process closes its MoEComm in the same order)."""
-        if self.backend == "nvshmem" and self._plan is not None:
-            nvshmem_backend.destroy_plan(self._plan)
-            self._plan = None
+        if self.backend == "nvshmem" and self._phases is not None:
+            nvshmem_backend.destroy_plan(self._phases.plan)
+            self._phases = None
         if self._grad_comm is not None:
             self._grad_comm.close()
 
@@ -169,8 +180,9 @@ class MoEComm:
         return nvshmem_backend.symmetric_bytes(self.cfg, self.world) + grad
 
     def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())
         return (f"MoEComm(world={self.world}, backend={self.backend!r}, capacity={self.capacity}, "
-                f"check_errors={self._geo.check_errors!r}, timeout_s={self.timeout_s}, cfg={self.cfg})")
+                f"custom_vjp={self.custom_vjp}, grad_dtype={self.grad_dtype}, {options}, cfg={self.cfg})")
 
     # Argument checks ---------------------------------------------------------------------------------
     def _check_dispatch_args(self, x, topk_ids, scales, num_tokens):
@@ -229,11 +241,11 @@ class MoEComm:
         num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens)
         if topk_weights is not None:
             self._check_weights(topk_weights)
-        return self._impl.dispatch_send(self._plan, x, topk_ids, scales, num_tokens, topk_weights)
+        return self._phases.impl.dispatch_send(self._phases.plan, x, topk_ids, scales, num_tokens, topk_weights)
 
     def dispatch_recv(self, pending) -> Dispatched:
         """Waits for the rows of ``dispatch_send`` and returns them packed by local expert."""
-        return self._impl.dispatch_recv(self._plan, pending)
+        return self._phases.impl.dispatch_recv(self._phases.plan, pending)
 
     def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None,
                  num_tokens: Array | None = None, topk_weights: Array | None = None) -> Dispatched:
@@ -246,12 +258,8 @@ class MoEComm:
         if topk_weights is not None:
             self._check_weights(topk_weights)
         if self.custom_vjp:
-            return autodiff.dispatch(self, x, topk_ids, scales, num_tokens, topk_weights)
-        return self._dispatch_primal(x, topk_ids, scales, num_tokens, topk_weights)
-
-    def _dispatch_primal(self, x, topk_ids, scales, num_tokens, topk_weights=None, after=None) -> Dispatched:
-        """after: an array this dispatch must run after (the backward's dispatch of dy: the forward's output)."""
-        return self._impl.dispatch(self._plan, x, topk_ids, scales, num_tokens, topk_weights, after)
+            return autodiff.dispatch(self._phases, x, topk_ids, scales, num_tokens, topk_weights)
+        return self._phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
 
     def combine_send(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None):
         """Starts sending expert outputs [capacity, H] back to their tokens' ranks (bf16/fp16/fp32, no wider
@@ -261,7 +269,7 @@ class MoEComm:
         (given to dispatch) none are given here or to combine_recv: they count as given here."""
         self._check_combine_args(expert_y, handle)
         self._check_combine_weights(handle, topk_weights, "combine_send")
-        return self._impl.combine_send(self._plan, expert_y, handle, topk_weights)
+        return self._phases.impl.combine_send(self._phases.plan, expert_y, handle, topk_weights)
 
     def combine_recv(self, pending, topk_weights: Array | None = None) -> Array:
         """Waits for the expert rows and returns y [max_tokens, H] out_dtype, y[i] = sum_k w[i,k] row(i,k).
@@ -270,7 +278,7 @@ class MoEComm:
             self._check_weights(topk_weights)
         if (topk_weights is None) == (getattr(pending, "topk_weights", None) is None):
             raise ValueError("topk_weights must be given to exactly one of dispatch, combine_send and combine_recv")
-        return self._impl.combine_recv(self._plan, pending, topk_weights)
+        return self._phases.impl.combine_recv(self._phases.plan, pending, topk_weights)
 
     def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None) -> Array:
         """``combine_recv(combine_send(expert_y, handle), topk_weights)``. Differentiable (see custom_vjp).
@@ -280,13 +288,8 @@ class MoEComm:
             raise ValueError("topk_weights is required: give them to combine or to dispatch")
         self._check_combine_weights(handle, topk_weights)
         if self.custom_vjp:
-            return autodiff.combine(self, expert_y, handle, topk_weights)
-        return self._combine_primal(expert_y, handle, topk_weights)
-
-    def _combine_primal(self, expert_y, handle, topk_weights) -> Array:
-        # combine_weights_at: with the send, the NVLink path pre-reduces on the expert side (one row per token and
-        # expert rank travels back instead of one per slot); with the receive, rows travel per slot.
-        return self._impl.combine(self._plan, expert_y, handle, topk_weights, self.combine_weights_at)
+            return autodiff.combine(self._phases, expert_y, handle, topk_weights)
+        return self._phases.combine(expert_y, handle, topk_weights)
 
 
 # Global view --------------------------------------------------------------------------------------------

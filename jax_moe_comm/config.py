@@ -134,15 +134,53 @@ class MoECommConfig:
             raise ValueError("num_dp * max_tokens * experts_per_token must fit in int32")
 
 
+CHECK_ERRORS = (True, False, "sync")
+
+
+def _threshold(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int (tokens per rank), got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How one MoEComm runs its round trips: MoEComm's keyword arguments of the same names (documented there),
+    validated. None of them changes what a round trip computes (staged and the thresholds give the same results bit
+    for bit; the pre-reduction within the output dtype's rounding)."""
+
+    check_errors: bool | str = True
+    timeout_s: float = 30.0
+    prereduce_min_tokens: int = 64
+    ids_first_min_tokens: int = 1024
+    staged: bool = False
+
+    def __post_init__(self) -> None:
+        if self.check_errors not in CHECK_ERRORS or not isinstance(self.check_errors, (bool, str)):
+            raise ValueError(f"check_errors must be True, False or 'sync', got {self.check_errors!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not 0 < t <= 86400:
+            raise ValueError(f"timeout_s must be a number of seconds in (0, 86400], got {t!r}")
+        object.__setattr__(self, "timeout_s", float(t))
+        for name in ("prereduce_min_tokens", "ids_first_min_tokens"):
+            object.__setattr__(self, name, _threshold(name, getattr(self, name)))
+        if not isinstance(self.staged, bool):
+            raise ValueError(f"staged must be a bool, got {self.staged!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Static sizes of one (config, EP world) pair, in the paper's notation, and the static options of one
-    MoEComm; shared by both backends."""
+    """Static sizes of one (config, EP world) pair, in the paper's notation, and the options of one MoEComm; shared
+    by both backends."""
 
     cfg: MoECommConfig
     world: int
     axis_name: str
-    check_errors: bool | str = True  # True, False or "sync" (MoEComm)
+    options: Options = Options()
+
+    @property
+    def check_errors(self) -> bool | str:
+        return self.options.check_errors
 
     @property
     def T(self) -> int:  # noqa: N802 (paper notation)

@@ -1,6 +1,6 @@
 """Start one process per local GPU with ``jax.distributed`` wired up.
 
-The NVSHMEM backend of jax_moe_comm needs exactly ONE GPU PER PROCESS (DESIGN.md §6). This module is the
+The NVSHMEM backend of jax_moe_comm needs exactly ONE GPU PER PROCESS. This module is the
 launcher that gives you that layout, plus the one call a worker script makes to join the job.
 
 Usage::

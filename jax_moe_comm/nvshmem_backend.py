@@ -10,7 +10,6 @@ feeds combine_recv. A MoEComm's calls must form one protocol at a time (see MoEC
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -18,55 +17,33 @@ import numpy as np
 from jax import Array
 
 from . import _native, errors, runtime
-from .config import Geometry, MoECommConfig
+from .config import Geometry, MoECommConfig, Options
 from .types import CombineHandle, Dispatched, pytree_dataclass
 
 MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
 CHECK_LAG = 2  # round trips between a failure and the check that raises it (ffi/handlers.cu, Check)
-_DTYPE_CODE = {np.dtype(jnp.bfloat16): 0, np.dtype(jnp.float16): 1, np.dtype(jnp.float32): 2}
 _registered = False
 
 
 def _register_targets() -> None:
     """Registers the handlers with XLA (once per process). The kernels' handlers are declared command-buffer
-    compatible so XLA may capture them into CUDA graphs with the surrounding work (-4.5 us per round trip at 1 token
-    on 2xH200, see benchmarks/NOTES.md; JAX_MOE_COMM_COMMAND_BUFFERS=0, read here, at the first NVSHMEM MoEComm,
-    leaves them out). The check handler never is: it must run on the host at every execution."""
+    compatible, so XLA may capture them into CUDA graphs with the surrounding work (fewer launches; see
+    benchmarks/NOTES.md). The check handler is not: it must run on the host at every execution."""
     global _registered
     if not _registered:
-        extra = {}
-        if os.environ.get("JAX_MOE_COMM_COMMAND_BUFFERS", "1") != "0":
-            from jax._src.lib import xla_client
+        from jax._src.lib import xla_client
 
-            extra["traits"] = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+        compatible = {"traits": xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE}
         for name, capsule in _native.ext.handlers().items():
-            jax.ffi.register_ffi_target(f"jmc_{name}", capsule, platform="CUDA", **({} if name == "check" else extra))
+            jax.ffi.register_ffi_target(f"jmc_{name}", capsule, platform="CUDA",
+                                        **({} if name == "check" else compatible))
         errors.give_texts_to(_native.ext)
         _registered = True
 
 
-def combine_weights_at(cfg: MoECommConfig) -> str:
-    """Where the fused combine gives the weights: "send" (expert-side pre-reduction on NVLink) from
-    JAX_MOE_COMM_PREREDUCE_MIN_TOKENS (default 64) tokens per rank, else "recv". At 1 token per rank on 2xH200
-    the pre-reduced combine took ~4 us longer (the weights' signal round trip), at 128 ~3 us shorter."""
-    text = os.environ.get("JAX_MOE_COMM_PREREDUCE_MIN_TOKENS", "64")
-    try:
-        threshold = int(text)
-    except ValueError:
-        raise ValueError(f"JAX_MOE_COMM_PREREDUCE_MIN_TOKENS must be an integer, got {text!r}") from None
-    return "send" if cfg.max_tokens >= threshold else "recv"
-
-
-def check_ids_first_threshold() -> None:
-    """JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS, when set, must be an integer: from that many tokens per rank the fused
-    dispatch sends its ids first (ffi/dispatch.cu; read by the extension when a context is made, default 1024)."""
-    text = os.environ.get("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS")
-    if text is None:
-        return
-    try:
-        int(text)
-    except ValueError:
-        raise ValueError(f"JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS must be an integer, got {text!r}") from None
+def row_type(dtype) -> int:
+    """The kernels' code (RowType, ffi/context.h) of a combine row dtype: bfloat16, float16 or float32."""
+    return int(_native.ext.constants()[np.dtype(dtype).name])
 
 
 def _round16(n: int) -> int:
@@ -91,9 +68,10 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
     )
 
 
-def symmetric_layout(cfg: MoECommConfig, world: int) -> dict[str, tuple[int, int]]:
+def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False) -> dict[str, tuple[int, int]]:
     """The symmetric allocation of one MoEComm on each rank: buffer name -> (offset, bytes), each 16-byte aligned.
-    The only definition: the extension carves its buffers by these names (ffi/context.h says what each holds)."""
+    The only definition: the extension carves its buffers by these names (ffi/context.h says what each holds).
+    ``measurement``: with the measurement build's probe word."""
     s = kernel_sizes(cfg, world, 0)
     slots, T, K = world * s["slots_per_source"], s["max_tokens"], s["experts_per_token"]
     words = _round16(world * 8)  # one u64 per rank
@@ -111,7 +89,7 @@ def symmetric_layout(cfg: MoECommConfig, world: int) -> dict[str, tuple[int, int
         ("weights_ready", words),
         ("combine_partials", world * T * s["combine_stride"]),
         ("partials_ready", words),
-        ("probe_ready", words),  # the bench's probe (ffi/probe.cu)
+        *([("probe_ready", words)] if measurement else []),  # the bench's floor probe (ffi/probe.cu)
         ("round_failures", 2 * world * status),
         ("fatal_failures", world * status),
         ("abort_word", 8),
@@ -126,20 +104,19 @@ def symmetric_layout(cfg: MoECommConfig, world: int) -> dict[str, tuple[int, int
 
 def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
     """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank."""
-    return sum(size for _, size in symmetric_layout(cfg, world).values())
+    return sum(size for _, size in symmetric_layout(cfg, world, _native.measurement_build()).values())
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A Geometry plus this rank's NVSHMEM context (the address the handlers receive as attribute `context`)."""
+    """A Geometry plus this rank's NVSHMEM context (its id: the handlers' attribute `context`)."""
 
     geo: Geometry
     ctx: int
-    p2p: bool  # stores reach every peer (NVLink): combine_send pre-reduces when it gets the weights
-    fused: bool  # the fused dispatch and combine run one kernel each (NVLink path, JAX_MOE_COMM_FUSED != "0")
+    p2p: bool  # stores reach every peer (NVLink): the fused calls run one kernel each, combine_send pre-reduces
 
 
-def create_plan(geo: Geometry, mesh, timeout_s: float = 30.0) -> Plan:
+def create_plan(geo: Geometry, mesh) -> Plan:
     """Collective (every process, same order): allocates one MoEComm's symmetric buffers."""
     rt = runtime.current()
     if rt is None:
@@ -155,26 +132,16 @@ def create_plan(geo: Geometry, mesh, timeout_s: float = 30.0) -> Plan:
         raise ValueError(f"the EP axis must order devices by process (rank {rt.rank} at position {rt.rank}); "
                          "build the mesh from jax.devices()")
     _register_targets()
-    sizes = kernel_sizes(cfg, geo.world, rt.rank, _native.ext.sm_count(), timeout_s)
-    ctx = _native.ext.create_context(sizes, symmetric_layout(cfg, geo.world), staged=staged_enabled())
-    p2p = bool(_native.ext.context_p2p(ctx))
-    return Plan(geo, ctx, p2p, p2p and fused_halves_enabled())
+    ctx = create_context(cfg, geo.world, rt.rank, geo.options)
+    return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)))
 
 
-def staged_enabled() -> bool:
-    """JAX_MOE_COMM_STAGED (read when a MoEComm is made): send through symmetric staging and put-with-signal even
-    where NVLink stores reach every peer."""
-    return bool(os.environ.get("JAX_MOE_COMM_STAGED"))
-
-
-def fused_halves_enabled() -> bool:
-    """JAX_MOE_COMM_FUSED (read when a MoEComm is made; default "1"): on the NVLink path the fused ``dispatch`` and
-    ``combine`` each run as one kernel (send, then receive) instead of two: one launch, one start and one close
-    fewer per direction. "0" runs them as their two halves' kernels (the same results, bit for bit)."""
-    text = os.environ.get("JAX_MOE_COMM_FUSED", "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"JAX_MOE_COMM_FUSED must be 0 or 1, got {text!r}")
-    return text == "1"
+def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options) -> int:
+    """Collective: the extension's context of one MoEComm on this rank (its id)."""
+    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s)
+    return _native.ext.create_context(sizes, symmetric_layout(cfg, world, _native.measurement_build()),
+                                      staged=options.staged,
+                                      ids_first_min_tokens=options.ids_first_min_tokens)
 
 
 def destroy_plan(plan: Plan) -> None:
@@ -208,7 +175,7 @@ class PendingDispatch:
     topk_weights: Array | None = None  # given to dispatch_send: into the handle
 
 
-@pytree_dataclass(static=("in_dtype", "reduced"))
+@pytree_dataclass(static=("rows_type", "reduced"))
 class PendingCombine:
     """combine_send's status (orders combine_recv after it) and the routing."""
 
@@ -216,7 +183,7 @@ class PendingCombine:
     topk_ids: Array
     num_tokens: Array
     topk_weights: Array | None  # given to combine_send (else to combine_recv)
-    in_dtype: int  # static: dtype code of the rows in flight
+    rows_type: int  # static: the RowType code of the rows in flight
     reduced: bool  # static: one pre-reduced row per (token, expert rank) instead of one per slot
 
 
@@ -309,9 +276,9 @@ def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
 
 def dispatch(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
              topk_weights: Array | None = None, after: Array | None = None) -> Dispatched:
-    """The fused call: one kernel on the NVLink path (Plan.fused), else dispatch_send then dispatch_recv. after: an
-    array the call must run after (see _after_arg)."""
-    if not plan.fused:
+    """The fused call: one kernel on the NVLink path, else dispatch_send then dispatch_recv. after: an array the call
+    must run after (see _after_arg)."""
+    if not plan.p2p:
         return dispatch_recv(plan, dispatch_send(plan, x, topk_ids, scales, num_tokens, topk_weights, after))
     *received, send_status, status = _call("dispatch", _received(plan) + (_STATUS, _STATUS), plan, x,
                                            _scales_arg(plan, scales), topk_ids, num_tokens,
@@ -336,9 +303,9 @@ def _combine_send(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weigh
     partial = cfg.out_dtype
     weights = topk_weights.astype(jnp.float32) if reduced else jnp.zeros((0,), jnp.float32)
     status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin, weights,
-                   partial_dtype=np.int64(_DTYPE_CODE[np.dtype(partial)]), weights_sent=np.int64(sent))
+                   partial_type=np.int64(row_type(partial)), weights_sent=np.int64(sent))
     return PendingCombine(status, handle.topk_ids, handle.num_tokens, topk_weights,
-                          _DTYPE_CODE[np.dtype(partial if reduced else expert_y.dtype)], reduced)
+                          row_type(partial if reduced else expert_y.dtype), reduced)
 
 
 def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array | None) -> Array:
@@ -347,7 +314,7 @@ def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array | None) -> A
     weights = q.topk_weights if topk_weights is None else topk_weights
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS)
     y, status = _call("combine_recv", results, plan, q.status, q.topk_ids, weights.astype(jnp.float32), q.num_tokens,
-                      in_dtype=np.int64(q.in_dtype), reduced=np.int64(q.reduced))
+                      rows_type=np.int64(q.rows_type), reduced=np.int64(q.reduced))
     return _checked(plan, y, status)
 
 
@@ -361,9 +328,9 @@ def _checked(plan: Plan, y: Array, status: Array) -> Array:
 
 def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Array | None, weights_at: str) -> Array:
     """The fused call, the weights given where ``weights_at`` says ("send": pre-reduced on the NVLink path): one
-    kernel on the NVLink path (Plan.fused), else combine_send then combine_recv. None: the handle's weights."""
+    kernel on the NVLink path, else combine_send then combine_recv. None: the handle's weights."""
     topk_weights, sent = _weights_of(plan, handle, topk_weights)
-    if not plan.fused:
+    if not plan.p2p:
         if weights_at == "send":
             return combine_recv(plan, _combine_send(plan, expert_y, handle, topk_weights, sent), None)
         return combine_recv(plan, _combine_send(plan, expert_y, handle, None, False), topk_weights)
@@ -373,18 +340,3 @@ def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Ar
                          topk_weights.astype(jnp.float32), handle.num_tokens,
                          reduced=np.int64(weights_at == "send"), weights_sent=np.int64(sent))
     return _checked(plan, y, status)
-
-
-def probe_exchange(plan: Plan, x: Array, flagged: bool = False) -> Array:
-    """The bench's floor (ffi/probe.cu; NVLink path), per shard: x's bytes to the next rank, the previous rank's
-    returned in x's shape and dtype. One kernel: the bytes on the link, a fence, a signal and its wait, no routing;
-    flagged: the bytes in 8-byte words of 4 data bytes and a flag the receiver polls, no fence and no signal (twice
-    the bytes). x's size must be a multiple of 16 bytes and at most max_tokens rows of the combine dtype (flagged:
-    K / 2 times that); a MoEComm used for probes carries no round trips (the probe lands in its combine buffers). A
-    peer that never arrives raises as any call's timeout does (check_errors; reported under combine_recv, whose
-    phase slot it uses)."""
-    out, status = _call("probe", (jax.ShapeDtypeStruct(x.shape, x.dtype), _STATUS), plan, x,
-                        flagged=np.int64(flagged))
-    if plan.geo.check_errors:
-        errors.check_now(status, after=status)
-    return out

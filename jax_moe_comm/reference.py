@@ -1,7 +1,7 @@
 """The reference backend: pure JAX collectives inside shard_map, one function per kernel phase.
 
 It is the oracle of the NVSHMEM backend (same layout, same handle, bit-for-bit) and the backend of every
-machine without NVSHMEM. Each phase mirrors its kernel (DESIGN §4):
+machine without NVSHMEM. Each phase mirrors its kernel:
 
   dispatch_send  count rows per destination, pack a staging buffer per destination rank, transfer
                  (the kernel puts each row into the destination's slot; here one padded ``all_to_all``)

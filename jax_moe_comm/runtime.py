@@ -18,6 +18,7 @@ import os
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from . import _native
 
@@ -75,7 +76,10 @@ def _init_with_nvshmem4py(uid: bytes, rank: int, world: int, ordinal: int) -> bo
     return True
 
 
-def initialize(symmetric_size: int | str | None = None, timeout_s: float = 120.0) -> Runtime:
+BOOTSTRAPS = ("auto", "nvshmem4py", "extension")
+
+
+def initialize(symmetric_size: int | str | None = None, timeout_s: float = 120.0, bootstrap: str = "auto") -> Runtime:
     """Initializes NVSHMEM on this process (idempotent). Call after ``jax.distributed.initialize()``.
 
     Args:
@@ -83,8 +87,13 @@ def initialize(symmetric_size: int | str | None = None, timeout_s: float = 120.0
         ``NVSHMEM_SYMMETRIC_SIZE`` unless that is already set. It must hold ``comm.symmetric_bytes`` of every
         MoEComm; it lives outside XLA's preallocated pool (see ``XLA_PYTHON_CLIENT_MEM_FRACTION``).
       timeout_s: how long ranks wait for rank 0's unique id.
+      bootstrap: who initializes NVSHMEM's host library: "nvshmem4py", "extension" (this package's own init), or
+        "auto" (default: nvshmem4py when installed, else the extension). The extension attaches its own device
+        state either way.
     """
     global _runtime
+    if bootstrap not in BOOTSTRAPS:
+        raise ValueError(f"bootstrap must be one of {BOOTSTRAPS}, got {bootstrap!r}")
     if _runtime is not None:
         return _runtime
     ext = _ext()
@@ -99,8 +108,10 @@ def initialize(symmetric_size: int | str | None = None, timeout_s: float = 120.0
     rank, world = jax.process_index(), jax.process_count()
     ordinal = local[0].local_hardware_id
     uid = _share_unique_id(rank, world, timeout_s)
-    bootstrap = "nvshmem4py" if os.environ.get("JAX_MOE_COMM_BOOTSTRAP", "nvshmem4py") == "nvshmem4py" and \
-        _init_with_nvshmem4py(uid, rank, world, ordinal) else "extension"
+    if bootstrap == "nvshmem4py" and not _init_with_nvshmem4py(uid, rank, world, ordinal):
+        raise RuntimeError("bootstrap='nvshmem4py' but nvshmem4py (nvshmem.core and cuda.core) is not installed")
+    if bootstrap == "auto":
+        bootstrap = "nvshmem4py" if _init_with_nvshmem4py(uid, rank, world, ordinal) else "extension"
     status = ext.init(uid, rank, world, ordinal)  # initializes, or attaches after nvshmem4py
     if status != 0 or ext.my_pe() != rank or ext.n_pes() != world:
         raise RuntimeError(f"NVSHMEM init failed on rank {rank}: status {status}, pe {ext.my_pe()}/{ext.n_pes()}")
@@ -131,3 +142,27 @@ def finalize() -> None:
     else:
         _ext().finalize()
     _runtime = None
+
+
+def unavailable_reason(mesh: Mesh) -> str | None:
+    """Why the NVSHMEM backend cannot serve `mesh`, or None when it can."""
+    if _native.ext is None:
+        return _native.unavailable_reason_text()
+    platforms = {d.platform for d in mesh.devices.flat}
+    if platforms != {"gpu"}:
+        return f"the NVSHMEM backend needs a mesh of CUDA GPUs, got platforms {sorted(platforms)}"
+    if _runtime is None:
+        return "NVSHMEM is not initialized on this process; call jax_moe_comm.initialize() first"
+    return None
+
+
+def resolve_backend(backend: str, mesh: Mesh) -> str:
+    """The backend "auto" means on `mesh` (nvshmem when it can serve it), or the one asked for if it can."""
+    if backend == "reference":
+        return "reference"
+    reason = unavailable_reason(mesh)
+    if reason is None:
+        return "nvshmem"
+    if backend == "nvshmem":
+        raise RuntimeError(f"backend='nvshmem' is not available: {reason}")
+    return "reference"

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_comm import baselines, bench
+from jax_moe_comm import bench
+from jax_moe_comm.bench import baselines
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"backend", "config", "tokens", "dispatch_us", "combine_us", "total_us", "gbps"}
@@ -263,6 +264,18 @@ def test_weights_to_dispatch_gives_the_same_round_trips(make_mesh):
                              np.float32))
     np.testing.assert_array_equal(ys[1], ys[0])
     assert bench.parse_args(["--weights-to", "dispatch"]).weights_to == "dispatch"
+
+
+def test_options_reach_the_moecomm_backends(make_mesh):
+    """--option NAME=VALUE sets a MoEComm keyword option of the MoEComm backends; unknown names and values that are
+    no Python literal are refused by the parser."""
+    args = bench.parse_args(["--option", "prereduce_min_tokens=1", "--option", "staged=True"])
+    assert args.options == {"prereduce_min_tokens": 1, "staged": True}
+    impl = bench.make_impl("reference", bench.QUICK_CONFIGS["r1"], 8, make_mesh(2), options=args.options)
+    assert (impl.comm.options.prereduce_min_tokens, impl.comm.options.staged) == (1, True)
+    for bad in ("check_errors=False", "fused=1", "staged=yes", "staged"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--option", bad])
 
 
 def test_floor_backends_need_the_nvshmem_backend(make_mesh):

@@ -23,7 +23,7 @@ from conftest import SCENARIOS, Routing, ep_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm
-from jax_moe_comm import MoEComm, MoECommConfig, nvshmem_backend
+from jax_moe_comm import MoEComm, MoECommConfig
 
 
 # Cases ------------------------------------------------------------------------------------------------------
@@ -377,50 +377,44 @@ def test_weights_given_to_dispatch_are_the_only_ones():
         jax.eval_shape(per_shard(w.astype(jnp.bfloat16), None, False), x, ids)
 
 
-@pytest.mark.parametrize("threshold, weights_at", [(None, ["recv", "recv", "send"]), ("1", ["send"] * 3),
-                                                   ("129", ["recv"] * 3)])
-def test_fused_combine_sends_the_weights_from_the_prereduce_threshold(monkeypatch, threshold, weights_at):
+@pytest.mark.parametrize("threshold, weights_at", [(None, ["recv", "recv", "send"]), (1, ["send"] * 3),
+                                                   (129, ["recv"] * 3)])
+def test_fused_combine_sends_the_weights_from_the_prereduce_threshold(threshold, weights_at):
     """The fused combine gives the weights to combine_send (expert-side pre-reduction on NVLink) from
-    JAX_MOE_COMM_PREREDUCE_MIN_TOKENS tokens per rank (default 64) and to combine_recv below it."""
-    if threshold is not None:
-        monkeypatch.setenv("JAX_MOE_COMM_PREREDUCE_MIN_TOKENS", threshold)
-    else:
-        monkeypatch.delenv("JAX_MOE_COMM_PREREDUCE_MIN_TOKENS", raising=False)
-    mesh = ep_mesh(2)
-    got = [MoEComm(MoECommConfig(8, 2, 16, max_tokens), mesh, backend="reference").combine_weights_at
+    prereduce_min_tokens tokens per rank (default 64) and to combine_recv below it."""
+    options = {} if threshold is None else {"prereduce_min_tokens": threshold}
+    got = [MoEComm(MoECommConfig(8, 2, 16, max_tokens), ep_mesh(2), backend="reference", **options).combine_weights_at
            for max_tokens in (1, 63, 64 if threshold is None else 128)]
     assert got == weights_at
 
 
-def test_prereduce_threshold_must_be_an_integer(monkeypatch):
-    monkeypatch.setenv("JAX_MOE_COMM_PREREDUCE_MIN_TOKENS", "many")
-    with pytest.raises(ValueError, match="JAX_MOE_COMM_PREREDUCE_MIN_TOKENS must be an integer, got 'many'"):
-        MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference")
+@pytest.mark.parametrize("name", ["prereduce_min_tokens", "ids_first_min_tokens"])
+@pytest.mark.parametrize("value", ["many", -1, 2.5, True])
+def test_thresholds_must_be_non_negative_ints(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a non-negative int \\(tokens per rank\\), got "):
+        MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference", **{name: value})
 
 
-def test_ids_first_threshold_must_be_an_integer(monkeypatch):
-    monkeypatch.setenv("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS", "1k")
-    with pytest.raises(ValueError, match="JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS must be an integer, got '1k'"):
-        MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference")
-    monkeypatch.setenv("JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS", "1")
-    assert MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference").combine_weights_at == "recv"
+@pytest.mark.parametrize("name, value, message", [
+    ("timeout_s", 0, r"timeout_s must be a number of seconds in \(0, 86400\], got 0"),
+    ("timeout_s", "30", r"timeout_s must be a number of seconds in \(0, 86400\], got '30'"),
+    ("staged", 1, "staged must be a bool, got 1"),
+    ("check_errors", "later", "check_errors must be True, False or 'sync', got 'later'"),
+])
+def test_options_are_validated(name, value, message):
+    with pytest.raises(ValueError, match=message):
+        MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference", **{name: value})
 
 
-@pytest.mark.parametrize("value, fused", [(None, True), ("1", True), ("0", False)])
-def test_fused_calls_run_one_kernel_per_direction_unless_switched_off(monkeypatch, value, fused):
-    """JAX_MOE_COMM_FUSED (read when a MoEComm is made): on the NVLink path the fused dispatch and combine run one
-    kernel each unless it is "0" (then their halves' two kernels each)."""
-    if value is None:
-        monkeypatch.delenv("JAX_MOE_COMM_FUSED", raising=False)
-    else:
-        monkeypatch.setenv("JAX_MOE_COMM_FUSED", value)
-    assert nvshmem_backend.fused_halves_enabled() is fused
-
-
-def test_fused_switch_must_be_0_or_1(monkeypatch):
-    monkeypatch.setenv("JAX_MOE_COMM_FUSED", "yes")
-    with pytest.raises(ValueError, match="JAX_MOE_COMM_FUSED must be 0 or 1, got 'yes'"):
-        nvshmem_backend.fused_halves_enabled()
+def test_every_option_is_in_the_repr_and_options():
+    """The repr names every option with its value, defaults included, so a log line says how a layer runs."""
+    comm = MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference", timeout_s=5, staged=True,
+                   ids_first_min_tokens=0)
+    text = repr(comm)
+    for field in dataclasses.fields(comm.options):
+        assert f"{field.name}={getattr(comm.options, field.name)!r}" in text
+    assert (comm.options.timeout_s, comm.options.staged, comm.options.ids_first_min_tokens) == (5.0, True, 0)
+    assert comm.options.check_errors is True and comm.options.prereduce_min_tokens == 64
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

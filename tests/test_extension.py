@@ -1,4 +1,9 @@
-"""The CUDA extension's host API where it needs no GPU: launch_phase checks its arguments before any launch."""
+"""The CUDA extension's host API where it needs no GPU: launch_phase checks its arguments before any launch, the
+constants and texts it shares with Python, and what the product build holds."""
+
+import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -43,3 +48,25 @@ def test_the_check_handler_raises_the_same_text_as_python(words):
 
     errors.give_texts_to(_native.ext)
     assert _native.ext.describe_failure(words) == errors.describe(words)
+
+
+# Symbols of the measurement instruments: the floor probe's handler and launcher, the kernel marks' reader.
+INSTRUMENT_SYMBOL = re.compile(r"jmc_probe|launch_probe|probe_kernel|take_kernel_marks|jmc::.*\bmarks?\b|Probe\(")
+
+
+def defined_symbols(library: str) -> list[str]:
+    out = subprocess.run(["nm", "-C", "--defined-only", library], capture_output=True, text=True, check=True).stdout
+    return [line.split(" ", 2)[-1] for line in out.splitlines() if line.strip()]
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_the_product_build_holds_no_probe_or_mark():
+    """The installed extension is the product: the floor probes and the kernel marks are the measurement build's
+    (JAX_MOE_COMM_MEASUREMENT=ON), absent from its symbols and from its Python API."""
+    if _native.ext.measurement_build():
+        pytest.skip("this install is the measurement build")
+    symbols = defined_symbols(_native.ext.__file__)
+    assert any("jmc_dispatch_send" in s for s in symbols), "nm found none of the handlers: wrong library?"
+    assert [s for s in symbols if INSTRUMENT_SYMBOL.search(s)] == []
+    assert not hasattr(_native.ext, "take_kernel_marks")
+    assert "probe" not in _native.ext.handlers()

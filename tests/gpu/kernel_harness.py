@@ -7,9 +7,9 @@ The program compute-sanitizer checks: under memcheck a process running XLA:GPU p
 (tests/gpu/LAST_RUN.md), so here JAX stays on the CPU. JAX computes the expected layout and values (the reference
 backend over `world` local CPU devices), and jax.distributed carries the NVSHMEM unique id. Device memory comes from
 cuda-python's runtime bindings, and the extension's `launch_phase` runs the same launch helpers as the FFI handlers.
-JAX_MOE_COMM_STAGED=1 forces the staged put path, as in the GPU cases. On the NVLink path every case also runs
-through the fused kernels (`launch_phase` "dispatch" and "combine"), whose results must equal the four kernels' bit
-for bit; `--marks` times the fused kernels unless JAX_MOE_COMM_FUSED=0.
+--staged forces the staged put path (MoEComm's staged=True), as in the GPU cases. On the NVLink path every case also
+runs through the fused kernels (`launch_phase` "dispatch" and "combine"), whose results must equal the four kernels' bit
+for bit; `--marks` (the measurement build) times the fused kernels, or with --split the four.
 """
 
 from __future__ import annotations
@@ -37,17 +37,13 @@ from nvshmem_cases import TOLERANCE, routing  # noqa: E402
 
 import jax_moe_comm as jmc  # noqa: E402
 from jax_moe_comm import _native, errors, runtime  # noqa: E402
+from jax_moe_comm.config import Options  # noqa: E402
 from jax_moe_comm.launch import initialize_distributed  # noqa: E402
-from jax_moe_comm.nvshmem_backend import (  # noqa: E402
-    _DTYPE_CODE,
-    combine_weights_at,
-    fused_halves_enabled,
-    kernel_sizes,
-    symmetric_layout,
-)
+from jax_moe_comm.nvshmem_backend import create_context as create_backend_context  # noqa: E402
+from jax_moe_comm.nvshmem_backend import kernel_sizes, row_type  # noqa: E402
 
 C = jmc.MoECommConfig
-IDS_FIRST = {"JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS": "1"}
+IDS_FIRST = {"ids_first_min_tokens": 1}  # MoEComm options
 CASES = {
     "fp32 K2": (C(8, 2, 128, 16, dtype=jnp.float32, out_dtype=jnp.float32), "uniform"),
     "bf16 K8 E32": (C(32, 8, 256, 32, dtype=jnp.bfloat16), "uniform"),
@@ -61,7 +57,7 @@ CASES = {
     "many tokens: several batches per block": (C(16, 2, 128, 40000, dtype=jnp.float32, out_dtype=jnp.float32),
                                                "uniform"),
     # The fused dispatch's ids-first order (ffi/dispatch.cu; by itself from 1024 tokens per rank, as in the case
-    # above), forced at a few tokens (JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS, read when a context is made).
+    # above), forced at a few tokens (MoEComm's ids_first_min_tokens).
     "ids first: fp8+scales K8": (C(32, 8, 512, 16, dtype=jnp.float8_e4m3fn, scale_block=128), "uniform", IDS_FIRST),
     "ids first: skewed": (C(8, 3, 64, 32, dtype=jnp.bfloat16), "skewed", IDS_FIRST),
     "ids first: -1 slots": (C(8, 4, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32), "dropped", IDS_FIRST),
@@ -117,13 +113,15 @@ class DeviceArrays:
         self.ptrs = []
 
 
-def create_context(cfg, world, rank, timeout_s=None, staged=None):
-    """Collective: a context of `cfg` for this rank, as MoEComm makes one (timeout: JAX_MOE_COMM_TIMEOUT_S, staged
-    puts: JAX_MOE_COMM_STAGED, unless given). Returns (context, its Sizes)."""
-    timeout_s = float(os.environ.get("JAX_MOE_COMM_TIMEOUT_S", 30)) if timeout_s is None else timeout_s
-    staged = bool(os.environ.get("JAX_MOE_COMM_STAGED")) if staged is None else staged
-    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), timeout_s)
-    return _native.ext.create_context(sizes, symmetric_layout(cfg, world), staged), sizes
+RUN = {"timeout_s": 30.0, "staged": False}  # this run's MoEComm options (--timeout-s, --staged)
+
+
+def create_context(cfg, world, rank, **options):
+    """Collective: a context of `cfg` for this rank, as MoEComm makes one with these options (and this run's).
+    Returns (context id, its Sizes)."""
+    opts = Options(**{**RUN, **options})
+    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), opts.timeout_s)
+    return create_backend_context(cfg, world, rank, opts), sizes
 
 
 def reference_round_trip(cfg, world, x, ids, w, scales, counts):
@@ -161,7 +159,7 @@ def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
                row_origin=mem.alloc(cap * 4),
                expert_y=mem.alloc(cap * H * np.dtype(cfg.out_dtype).itemsize),
                out=mem.alloc(T * H * np.dtype(cfg.out_dtype).itemsize))
-    code = _DTYPE_CODE[np.dtype(cfg.out_dtype)]
+    code = row_type(cfg.out_dtype)
     sent = p2p and weights_at == "dispatch"
     args = [
         dict(x=x_d, scales=scales_d, topk_ids=ids_d, num_tokens=n_d, status=status[0], topk_weights=w_d if sent else 0),
@@ -219,18 +217,13 @@ def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, fu
         mem.free()
 
 
-def run_with_env(case, rank, world, seed):
-    """A CASES entry (cfg, routing kind[, environment while its context is made]) through run_case."""
-    cfg, kind, *env = case
-    os.environ.update(env[0] if env else {})
-    try:
-        return run_case(rank, world, seed, cfg, kind)
-    finally:
-        for var in env[0] if env else {}:
-            del os.environ[var]
+def run_entry(case, rank, world, seed):
+    """A CASES entry (cfg, routing kind[, MoEComm options]) through run_case."""
+    cfg, kind, *options = case
+    return run_case(rank, world, seed, cfg, kind, options=options[0] if options else {})
 
 
-def run_case(rank, world, seed, cfg, kind, repeats=2):
+def run_case(rank, world, seed, cfg, kind, repeats=2, options=None):
     rng = np.random.default_rng(seed)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
     x = rng.standard_normal((world * T, H)).astype(np.float32)
@@ -239,7 +232,7 @@ def run_case(rank, world, seed, cfg, kind, repeats=2):
     counts = np.full(world, T, np.int32)
     scales = (rng.random((world * T, cfg.scale_cols)) + 0.5).astype(np.float32) if cfg.is_fp8 else None
     ref = reference_round_trip(cfg, world, x, ids, w, scales, counts)
-    ctx, sizes = create_context(cfg, world, rank)
+    ctx, sizes = create_context(cfg, world, rank, **(options or {}))
     try:
         p2p = bool(_native.ext.context_p2p(ctx))
         cap, L = sizes["capacity"], sizes["local_experts"]
@@ -307,12 +300,12 @@ def format_marks(marks: np.ndarray) -> list[str]:
     return lines
 
 
-def marks_table(rank, world, config, tokens, trips, weights_to="combine"):
-    """Where each kernel's time goes: `trips` round trips of the bench config at `tokens` per rank, the four kernels
-    (on the NVLink path the two fused ones, unless JAX_MOE_COMM_FUSED=0: their phases stamp the same marks) queued
-    back to back (expert_y is zeros: values do not matter here), each trip's kernel marks read after it. The
-    weights go where the fused combine gives them (JAX_MOE_COMM_PREREDUCE_MIN_TOKENS), given to dispatch_send when
-    `weights_to` is "dispatch" and the combine pre-reduces (as the bench's --weights-to dispatch).
+def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=False):
+    """Where each kernel's time goes (the measurement build): `trips` round trips of the bench config at `tokens` per
+    rank, the two fused kernels on the NVLink path (`split`, or off it: the four; their phases stamp the same marks)
+    queued back to back (expert_y is zeros: values do not matter here), each trip's kernel marks read after it. The
+    weights go where the fused combine gives them by default (MoEComm's prereduce_min_tokens), given to dispatch_send
+    when `weights_to` is "dispatch" and the combine pre-reduces (as the bench's --weights-to dispatch).
     Prints, per phase, the median µs from `start` to each later mark, and the median gap from the previous phase's
     `end` to this one's `start` (launch and queueing)."""
     from jax_moe_comm import bench
@@ -329,8 +322,8 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine"):
     mem = DeviceArrays()
     try:
         p2p = bool(ext.context_p2p(ctx))
-        fused = p2p and fused_halves_enabled()
-        weights_at = combine_weights_at(cfg)
+        fused = p2p and not split
+        weights_at = "send" if cfg.max_tokens >= Options().prereduce_min_tokens else "recv"
         if weights_to == "dispatch" and p2p and weights_at == "send":
             weights_at = "dispatch"
         phase_args, _ = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, T, weights_at)
@@ -342,7 +335,7 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine"):
             checked(cudart.cudaDeviceSynchronize())
             got = ext.take_kernel_marks(ctx)
             if not got:
-                raise SystemExit("no kernel marks: JAX_MOE_COMM_KERNEL_MARKS=1 must be set before the context is made")
+                raise SystemExit("no kernel marks: their buffer could not be allocated")
             rows.append(np.array(got, np.int64).reshape(len(PHASES), len(MARKS)))
         marks = np.stack(rows[1:])  # the first trip also waits for the peer's start-up
         print(f"rank {rank}: {config} T={tokens}, {'NVLink stores' if p2p else 'staged puts'}, "
@@ -494,10 +487,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
     parser.add_argument("--only", default="", help="run the cases whose name contains this (alternatives: a|b)")
     parser.add_argument("--marks", default="", metavar="T,T,...",
-                        help="instead of the cases: where each kernel's time goes (R1, these tokens per rank; sets "
-                             "JAX_MOE_COMM_KERNEL_MARKS=1)")
+                        help="instead of the cases: where each kernel's time goes (R1, these tokens per rank; the "
+                             "measurement build)")
     parser.add_argument("--weights-to", choices=("combine", "dispatch"), default="combine",
                         help="with --marks: give the weights to dispatch where the combine pre-reduces")
+    parser.add_argument("--split", action="store_true", help="with --marks: the four kernels, not the two fused ones")
+    parser.add_argument("--staged", action="store_true", help="MoEComm's staged=True: staged puts even on NVLink")
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="MoEComm's timeout_s of the cases")
     parser.add_argument("--case-limit", type=float, default=280.0, help="seconds before a case that has not "
                         "returned dumps every stack and ends the rank (memcheck slows the kernels down)")
     args = parser.parse_args()
@@ -509,14 +505,16 @@ def main() -> int:
     if _native.ext.init(uid, rank, world, 0) != 0:
         raise SystemExit("NVSHMEM initialization failed")
     seed = shared_seed(rank, args.seed)
+    RUN.update(timeout_s=args.timeout_s, staged=args.staged)
     if args.marks:
-        os.environ["JAX_MOE_COMM_KERNEL_MARKS"] = "1"  # read when a context is made
+        if not _native.ext.measurement_build():
+            raise SystemExit("--marks needs the measurement build (JAX_MOE_COMM_MEASUREMENT=ON)")
         for tokens in (int(t) for t in args.marks.split(",")):
-            marks_table(rank, world, "r1", tokens, trips=50, weights_to=args.weights_to)
+            marks_table(rank, world, "r1", tokens, trips=50, weights_to=args.weights_to, split=args.split)
         _native.ext.finalize()
         return 0
     passed = failed = 0
-    cases = {name: (lambda r, w, s, c=case: run_with_env(c, r, w, s)) for name, case in CASES.items()}
+    cases = {name: (lambda r, w, s, c=case: run_entry(c, r, w, s)) for name, case in CASES.items()}
     for i, (name, case) in enumerate({**cases, **FAULTS}.items()):
         if args.only and not any(p in name for p in args.only.split("|")):
             continue

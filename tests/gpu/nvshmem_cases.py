@@ -94,7 +94,7 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
 
     results = {}
     for backend in ("nvshmem", "reference"):
-        comm = jmc.MoEComm(cfg, mesh, "ep", backend=backend)
+        comm = make_comm(cfg, mesh, backend)
 
         def round_trip(comm, to):
             def f(x, ids, scales, n, w):
@@ -163,35 +163,38 @@ def split_halves(comm, x, ids, scales, n, w, weights_at="send"):
     return out + (busy * 0).astype(out.dtype)
 
 
-def staged_puts(case):
-    """Runs `case` with MoEComms created under JAX_MOE_COMM_STAGED=1: rows are staged in symmetric memory and sent
-    with put-with-signal, as they are to peers that NVLink loads/stores cannot reach."""
-    os.environ["JAX_MOE_COMM_STAGED"] = "1"
+OPTIONS: dict = {}  # MoEComm options of every MoEComm the cases make (with_options)
+
+
+def make_comm(cfg, mesh, backend, **options) -> jmc.MoEComm:
+    """A MoEComm over "ep" with the running case's options (and `options`)."""
+    return make_comm(cfg, mesh, backend, **{**OPTIONS, **options})
+
+
+def with_options(case, label: str, **options):
+    """Runs `case` with every MoEComm it makes given `options` (staged=True: rows staged in symmetric memory and sent
+    with put-with-signal, as to peers that NVLink stores cannot reach; prereduce_min_tokens=1: the fused combine
+    pre-reduces on the expert side at any token count; ids_first_min_tokens=1: the fused dispatch sends every ids row
+    first, as it does by itself from 1024 tokens per rank)."""
+    saved = dict(OPTIONS)
+    OPTIONS.update(options)
     try:
-        return case() + " (staged puts)"
+        return case() + f" ({label})"
     finally:
-        del os.environ["JAX_MOE_COMM_STAGED"]
+        OPTIONS.clear()
+        OPTIONS.update(saved)
+
+
+def staged_puts(case):
+    return with_options(case, "staged puts", staged=True)
 
 
 def prereduced(case):
-    """Runs `case` with MoEComms created under JAX_MOE_COMM_PREREDUCE_MIN_TOKENS=1: the fused combine pre-reduces
-    on the expert side at any token count (by itself from 64 tokens per rank)."""
-    os.environ["JAX_MOE_COMM_PREREDUCE_MIN_TOKENS"] = "1"
-    try:
-        return case() + " (pre-reduced)"
-    finally:
-        del os.environ["JAX_MOE_COMM_PREREDUCE_MIN_TOKENS"]
+    return with_options(case, "pre-reduced", prereduce_min_tokens=1)
 
 
 def ids_first(case):
-    """Runs `case` with MoEComms created under JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS=1: the fused dispatch sends every
-    ids row first and copies this rank's own rows from x while the other rows are on the link (ffi/dispatch.cu), the
-    order it takes by itself from 1024 tokens per rank."""
-    os.environ["JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS"] = "1"
-    try:
-        return case() + " (ids first)"
-    finally:
-        del os.environ["JAX_MOE_COMM_IDS_FIRST_MIN_TOKENS"]
+    return with_options(case, "ids first", ids_first_min_tokens=1)
 
 
 def case_scan_layers(mesh, seed):
@@ -205,7 +208,7 @@ def case_scan_layers(mesh, seed):
     w = to_global(mesh, rng.random((world * 32, 16)).astype(np.float32) / 4)
     outs, times = {}, {}
     for backend in ("nvshmem", "reference"):
-        comm = jmc.MoEComm(cfg, mesh, "ep", backend=backend)
+        comm = make_comm(cfg, mesh, backend)
 
         def layers(x, ids, w, comm=comm):
             def layer(h, xs):
@@ -238,8 +241,8 @@ def case_repeat(mesh, seed, calls=200):
     """200 calls of one jitted round trip on fresh data each time equal the reference: no drift, no stale state."""
     world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
-    ref = jmc.MoEComm(cfg, mesh, "ep", backend="reference")
+    comm = make_comm(cfg, mesh, "nvshmem")
+    ref = make_comm(cfg, mesh, "reference")
     def trip(c, x, i, w):
         d = jmc.dispatch(c, x, i)
         return jmc.combine(c, d.expert_x, d.handle, w)
@@ -290,7 +293,7 @@ def case_grad(mesh, seed, dp_size=1, linear_loss=False):
     expert_w = to_global(mesh, (rng.standard_normal((8, 64, 64)) / 8).astype(np.float32))
     grads = {}
     for backend in ("nvshmem", "reference"):
-        comm = jmc.MoEComm(cfg, mesh, "ep", backend=backend, custom_vjp=backend == "nvshmem")
+        comm = make_comm(cfg, mesh, backend, custom_vjp=backend == "nvshmem")
 
         def shard(x, ids, w, ew, comm=comm):
             d = comm.dispatch(x, ids)
@@ -320,7 +323,7 @@ def case_grad_fp8(mesh, seed, block=128):
     ew = to_global(mesh, (rng.standard_normal((E, H, H)) / 32).astype(np.float32))
     grads = {}
     for backend in ("nvshmem", "reference"):
-        comm = jmc.MoEComm(cfg, mesh, "ep", backend=backend, custom_vjp=True, grad_dtype=jnp.bfloat16)
+        comm = make_comm(cfg, mesh, backend, custom_vjp=True, grad_dtype=jnp.bfloat16)
 
         def shard(x8, sc, ids, w, ew, comm=comm):
             d = comm.dispatch(x8, ids, sc)
@@ -393,7 +396,7 @@ def case_grad_composition(mesh, seed, composition, layers=3):
 
     grads = {}
     for backend in ("nvshmem", "reference"):
-        comms = [jmc.MoEComm(cfg, mesh, "ep", backend=backend) for _ in range(2)]
+        comms = [make_comm(cfg, mesh, backend) for _ in range(2)]
 
         def shard(x, ids, w, ew, comms=comms):
             if composition == "remat":  # the experts recomputed in the backward pass, not the round trips
@@ -426,16 +429,19 @@ def case_grad_composition(mesh, seed, composition, layers=3):
 
 
 def case_probe(mesh, seed, flagged=False):
-    """The bench's floor probe (ffi/probe.cu): every rank gets the previous rank's rows, call after call (flagged:
-    in words that carry their own validity, polled by the receiver)."""
-    from jax_moe_comm import nvshmem_backend
+    """The bench's floor probe (ffi/probe.cu, the measurement build): every rank gets the previous rank's rows, call
+    after call (flagged: in words that carry their own validity, polled by the receiver)."""
+    from jax_moe_comm import _native
+    from jax_moe_comm.bench import probes
 
+    if not _native.ext.measurement_build():
+        raise Skip("the measurement build only (JAX_MOE_COMM_MEASUREMENT=ON)")
     world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
+    comm = make_comm(cfg, mesh, "nvshmem")
     try:
-        plan = comm._plan
-        f = jax.jit(jax.shard_map(lambda a: nvshmem_backend.probe_exchange(plan, a, flagged), mesh=mesh,
+        plan = comm._phases.plan
+        f = jax.jit(jax.shard_map(lambda a: probes.probe_exchange(plan, a, flagged), mesh=mesh,
                                   in_specs=P("ep"), out_specs=P("ep")))
         rng = np.random.default_rng(seed)
         for _ in range(3):
@@ -471,7 +477,7 @@ def case_out_of_order(mesh, seed):
     which is in order)."""
     world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
+    comm = make_comm(cfg, mesh, "nvshmem")
     ids = to_global(mesh, np.tile(np.array([[0, 5]], np.int32), (world * 16, 1)))
     x = to_global(mesh, np.ones((world * 16, 64), np.float32))
     w = to_global(mesh, np.ones((world * 16, 2), np.float32))
@@ -520,7 +526,7 @@ def case_bad_ids(mesh, seed):
     call raises the message, and the call after it (valid ids) is correct: a routing error is raised once."""
     world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem")
+    comm = make_comm(cfg, mesh, "nvshmem")
     x, ids, w = bad_ids(mesh, 0, world)
 
     @jax.jit
@@ -544,7 +550,7 @@ def case_bad_ids_in_a_chain(mesh, seed, sync: bool = False):
     once."""
     world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem", check_errors="sync" if sync else True)
+    comm = make_comm(cfg, mesh, "nvshmem", check_errors="sync" if sync else True)
     x, ids, w = bad_ids(mesh, 0, world)
 
     @jax.jit
@@ -572,7 +578,7 @@ def case_timeout(mesh, seed):
     """Rank 1 skips a call: rank 0's round trip fails after one timeout (NaN), and its next call raises naming the
     phase and the peer. Both ranks then close the MoEComm (collective: rank 1 waits there for rank 0)."""
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = jmc.MoEComm(cfg, mesh, "ep", backend="nvshmem", timeout_s=3)
+    comm = make_comm(cfg, mesh, "nvshmem", timeout_s=3)
     try:
         return _timeout_on_rank0(comm)
     finally:
@@ -613,11 +619,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
     parser.add_argument("--only", default="", help="run the cases whose name contains this (alternatives: a|b)")
     parser.add_argument("--skip", default="", help="skip the cases whose name contains this (a|b)")
+    parser.add_argument("--staged", action="store_true", help="every MoEComm with staged=True (staged puts)")
+    parser.add_argument("--bootstrap", default="auto", help="jax_moe_comm.initialize's bootstrap")
     parser.add_argument("--case-limit", type=float, default=180.0,
                         help="seconds after which a case that has not returned dumps every stack and ends the rank")
     args = parser.parse_args()
     initialize_distributed()
-    jmc.initialize(symmetric_size="8G")
+    jmc.initialize(symmetric_size="8G", bootstrap=args.bootstrap)
+    if args.staged:
+        OPTIONS.update(staged=True)
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     world = mesh.shape["ep"]
     seed = int(multihost_utils.broadcast_one_to_all(np.int32(args.seed)))  # every rank draws the same data

@@ -6,11 +6,14 @@
 #   TESTS=0 | cases             skip bootstrap, launcher, cases and demo | run the cases alone (default: all)
 #   TRAIN="args"                the training example on both backends through the launcher, losses compared
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
+#   MEASURE=1|0                 build the measurement instruments (kernel marks, floor probes) or not; by default
+#                               when MARKS is set or BENCH/BENCH_SINGLE/TRACE/CASES names a floor probe
+#   BOOTSTRAP=auto|nvshmem4py|extension  jax_moe_comm.initialize's bootstrap in the cases
 #   RANKS=1                     the cases, BENCH, TRACE and MARKS on one GPU (world 1: no peer; default 2)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
-#   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank);
-#                               MARKS_ENVS="A=1;B=2" repeats them under each of those environments
+#   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank; the
+#                               measurement build); MARKS_ENVS="A=1;B=2" repeats them under each of those environments
 #                               MARKS_ARGS="--weights-to dispatch": weights given to dispatch where combine pre-reduces
 #   HARNESS=1                   the kernel harness's cases (no XLA: four kernels and the two fused ones) and its faults
 #                               (HARNESS_RANKS="2 4 8": at each of those world sizes; HARNESS_ONLY: their --only)
@@ -29,7 +32,7 @@
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
-export NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 JAX_MOE_COMM_TIMEOUT_S=${JAX_MOE_COMM_TIMEOUT_S:-10} PYTHONUNBUFFERED=1
+export NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jmc_gpu_out}
 LOGS=${LOGS:-/tmp/jmc_gpu_logs}  # packed into $OUT/logs.tar.gz at exit (few files come back from a device call)
 mkdir -p "$OUT" "$LOGS"
@@ -62,7 +65,13 @@ for tool in compute-sanitizer; do echo "$tool: $(command -v $tool || echo absent
 step "build"
 # From scratch: on a machine kept warm between calls the objects of an earlier tree can look newer than these sources.
 [ "${KEEP_BUILD:-0}" = 1 ] || rm -rf build/gpu
+# The measurement build (kernel marks, the floor probes) when something here uses it; MEASURE=1/0 to say.
+case "${MARKS:-}${BENCH:-}${BENCH_SINGLE:-}${TRACE:-}${CASES:-}" in *floor*|[0-9]*) measure=1 ;; *) measure=0 ;; esac
+[ -n "${MARKS:-}" ] && measure=1
+measure=${MEASURE:-$measure}
+echo "measurement build: $measure" | tee -a "$OUT/summary.txt"
 timeout 400 cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v python3)" \
+  -DJAX_MOE_COMM_MEASUREMENT=$([ "$measure" = 1 ] && echo ON || echo OFF) \
   -DJAX_MOE_COMM_CUDA_ARCHITECTURES="${ARCHS:-90}" > "$LOGS/build.log" 2>&1 &&
   timeout 400 cmake --build build/gpu >> "$LOGS/build.log" 2>&1 &&
   cp build/gpu/_nvshmem_ext*.so jax_moe_comm/ || { tail -30 "$LOGS/build.log"; step "build FAILED"; exit 1; }
@@ -70,9 +79,10 @@ python3 -c "import jax_moe_comm as j; print(j.build_info())" | tee -a "$OUT/summ
 
 if [ "${TESTS:-1}" = 1 ]; then
 step "bootstrap (nvshmem4py, else the extension's own init)"
-if ! timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py 2>&1 | tee "$LOGS/bootstrap.log"; then
-  export JAX_MOE_COMM_BOOTSTRAP=extension
-  timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py 2>&1 | tee -a "$LOGS/bootstrap.log"
+BOOTSTRAP=${BOOTSTRAP:-auto}
+if ! timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py $BOOTSTRAP 2>&1 | tee "$LOGS/bootstrap.log"; then
+  BOOTSTRAP=extension
+  timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py $BOOTSTRAP 2>&1 | tee -a "$LOGS/bootstrap.log"
 fi
 grep "NVSHMEM up" "$LOGS/bootstrap.log" | tee -a "$OUT/summary.txt"
 
@@ -90,7 +100,8 @@ fi
 
 if [ "${TESTS:-1}" != 0 ]; then  # TESTS=cases: the cases alone
 step "NVSHMEM vs reference cases, ${RANKS:-2} rank(s)"
-timeout 900 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/nvshmem_cases.py ${CASES:+--only "$CASES"} \
+timeout 900 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/nvshmem_cases.py --bootstrap "${BOOTSTRAP:-auto}" \
+  ${CASES:+--only "$CASES"} \
   ${CASES_SKIP:+--skip "$CASES_SKIP"} \
   > "$LOGS/cases.log" 2>&1
 rc=$?
@@ -173,9 +184,9 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
   # SANITIZE_STARTUP=1: start-up alone under the sanitizer first (NVSHMEM init through each bootstrap, no kernel of
   # ours), to tell a crash in start-up from one in the cases.
   for boot in ${SANITIZE_STARTUP:+nvshmem4py extension}; do
-    step "compute-sanitizer memcheck: start-up only (JAX_MOE_COMM_BOOTSTRAP=$boot)"
-    JAX_MOE_COMM_BOOTSTRAP=$boot NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
-      python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/under_sanitizer.py tests/gpu/bootstrap_probe.py \
+    step "compute-sanitizer memcheck: start-up only (bootstrap $boot)"
+    NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
+      python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/under_sanitizer.py tests/gpu/bootstrap_probe.py $boot \
       > "$LOGS/sanitizer_startup_$boot.log" 2>&1
     rc=$?
     grep -E "NVSHMEM up|ERROR SUMMARY|killed by" "$LOGS/sanitizer_startup_$boot.log" | tee -a "$OUT/summary.txt"
@@ -188,12 +199,12 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
   # are NCCL's own; we use no NVSHMEM collective but barrier_all.
   for staged in ${SANITIZE_HARNESS_STAGED:-0 1}; do
     for tool in none ${SANITIZE_TOOLS:-memcheck}; do
-      step "kernel harness (JAX_MOE_COMM_STAGED=$staged, sanitizer: $tool)"
+      step "kernel harness (staged $staged, sanitizer: $tool)"
       log="$LOGS/harness_staged${staged}_$tool.log"
       wrap=""; [ $tool != none ] && wrap=tests/gpu/under_sanitizer.py
-      if [ $staged = 1 ]; then export JAX_MOE_COMM_STAGED=1; else unset JAX_MOE_COMM_STAGED; fi
-      SANITIZER_TOOL=$tool NVSHMEM_DISABLE_NCCL=1 JAX_MOE_COMM_TIMEOUT_S=60 timeout 300 \
-        python3 -m jax_moe_comm.launch -n 2 -- $wrap tests/gpu/kernel_harness.py \
+      flag=""; [ $staged = 1 ] && flag=--staged
+      SANITIZER_TOOL=$tool NVSHMEM_DISABLE_NCCL=1 timeout 300 \
+        python3 -m jax_moe_comm.launch -n 2 -- $wrap tests/gpu/kernel_harness.py $flag --timeout-s 60 \
         > "$log" 2>&1  # 60 s waits: a sanitizer slows one rank more than the other
       rc=$?
       case_results "$log"
@@ -201,7 +212,6 @@ if [ -n "${SANITIZE:-}" ]; then  # last: a crash under the sanitizer must not le
       step "kernel harness exit code $rc"
     done
   done
-  unset JAX_MOE_COMM_STAGED
 fi
 if [ -n "${SANITIZE:-}" ] && [ "${SANITIZE_CASES:-1}" != 0 ]; then
   # XLA:GPU alone under memcheck (one GPU, no jax_moe_comm imported): tells whether the XLA cases below can run
@@ -217,11 +227,11 @@ if [ -n "${SANITIZE:-}" ] && [ "${SANITIZE_CASES:-1}" != 0 ]; then
   sanitizer_summary "$LOGS/sanitizer_xla_alone.log"
   step "XLA:GPU alone under memcheck: exit code $rc"
   # SANITIZE_BOOTSTRAP=extension: the cases with the extension's own NVSHMEM init (no nvshmem4py / cuda-python).
-  export JAX_MOE_COMM_BOOTSTRAP=${SANITIZE_BOOTSTRAP:-nvshmem4py}
+  boot=${SANITIZE_BOOTSTRAP:-nvshmem4py}
   for staged in ${SANITIZE_STAGED:-0 1}; do  # the NVLink store path, then the staged put path
-    step "compute-sanitizer memcheck: $SANITIZE (JAX_MOE_COMM_STAGED=$staged, bootstrap $JAX_MOE_COMM_BOOTSTRAP)"
+    step "compute-sanitizer memcheck: $SANITIZE (staged $staged, bootstrap $boot)"
     log="$LOGS/sanitizer_staged$staged.log"
-    if [ $staged = 1 ]; then export JAX_MOE_COMM_STAGED=1; else unset JAX_MOE_COMM_STAGED; fi
+    flag=""; [ $staged = 1 ] && flag=--staged
     # One sanitizer per worker (not around the launcher), memory allocated on demand (no 50% preallocation), and
     # NVSHMEM without its NCCL teams: NCCL's communicator init crashed (SIGSEGV) under memcheck before any kernel of
     # ours ran (we use no NVSHMEM collective but barrier_all).
@@ -229,13 +239,13 @@ if [ -n "${SANITIZE:-}" ] && [ "${SANITIZE_CASES:-1}" != 0 ]; then
     # the sanitizer that is not ours (cudaFuncGetAttributes on kernels without an sm_90 image was reported there).
     XLA_FLAGS="${XLA_FLAGS:-} ${SANITIZE_XLA_FLAGS---xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=}" \
     PYTHONFAULTHANDLER=1 NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m jax_moe_comm.launch -n 2 -- \
-      tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" --case-limit 280 > "$log" 2>&1
+      tests/gpu/under_sanitizer.py tests/gpu/nvshmem_cases.py --only "$SANITIZE" --case-limit 280 $flag \
+      --bootstrap "$boot" > "$log" 2>&1
     rc=$?
     case_results "$log"
     sanitizer_summary "$log"
     grep -v -E "=========|^\[rank 1\]" "$log" | tail -12 | tee -a "$OUT/summary.txt"  # how it ended
     step "sanitizer exit code $rc"
   done
-  unset JAX_MOE_COMM_STAGED JAX_MOE_COMM_BOOTSTRAP
 fi
 step "done"

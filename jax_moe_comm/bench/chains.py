@@ -1,0 +1,138 @@
+"""Chains: n steps in one jit, each step's input depending on the previous step's output, and how they are timed."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from . import baselines
+from .configs import AXIS, EPS, Array, BenchConfig, expert_stand_in
+from .impls import Impl
+
+
+def _step(a: Array, b: Array, extra: Array | float = 0.0) -> Array:
+    """a + EPS * (b[:len(a)] + extra) in float32, back in a's dtype (the cheap dependency between chained steps)."""
+    return (a.astype(jnp.float32) + EPS * (b[: a.shape[0]].astype(jnp.float32) + extra)).astype(a.dtype)
+
+
+def _touch(tree) -> Array:
+    """A float32 scalar that depends on every leaf of `tree` (so XLA keeps every output of a dispatch)."""
+    return sum((jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(tree)), jnp.float32(0))
+
+
+def _metadata(aux) -> list:
+    """The small leaves of a dispatch's aux (routing metadata), without the payload rows."""
+    if isinstance(aux, (baselines.RaggedDispatched, baselines.PaddedDispatched)):
+        aux = dataclasses.replace(aux, expert_x=None, expert_scales=None)
+    return jax.tree.leaves(aux)
+
+
+def _set_leading_rows(a: Array, rows: Array) -> Array:
+    """a with its first rows.shape[0] rows replaced by rows. A dynamic_update_slice: ``a.at[:n].set(rows)`` lowers to
+    a scatter, and where n is all of a's rows to one whose indices are an empty constant, which XLA:GPU (jax 0.11.2)
+    died compiling inside shard_map (the floor's chain at one token per rank; benchmarks/NOTES.md, entry 25)."""
+    return jax.lax.dynamic_update_slice_in_dim(a, rows, 0, axis=0)
+
+
+def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
+    """n round trips, each tied to the last by data (never by an optimization barrier alone: XLA may drop a
+    barrier before it merges identical collectives, and the chain then runs as one round trip). Only the first runs
+    the expert stand-in (its result is the one checked); later ones combine that same expert_y with one row replaced
+    from their own dispatch's rows and scales (an in-place one-row update, not a pass over the receive buffer). The
+    next dispatch takes x + EPS * y (every element of y read, as a residual add reads it) and scales updated from
+    y likewise, so no two collectives of the chain have the same inputs."""
+
+    def body(x, scales, ids, w):
+        y = expert_y = None
+        for _ in range(n):
+            rows, row_scales, aux = impl.dispatch(x, scales, ids, w)
+            if expert_y is None:
+                expert_y = expert_stand_in(cfg, rows, row_scales)
+            else:  # combine starts after this dispatch has delivered its rows (and their scales)
+                extra = 0.0 if row_scales is None else row_scales[:1, :1]
+                expert_y = _set_leading_rows(expert_y, _step(expert_y[:1], rows[:1], extra))
+            y = impl.combine(expert_y, aux, w)
+            x = _step(x, y)
+            if scales is not None:
+                scales = _step(scales, y[:, : scales.shape[1]])
+        return x, y
+
+    return body
+
+
+def dispatch_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
+    def body(x, scales, ids, w):
+        for _ in range(n):
+            rows, row_scales, aux = impl.dispatch(x, scales, ids, w)
+            extra = 1e-9 * _touch(_metadata(aux))
+            if row_scales is not None:
+                extra = extra + 1e-9 * jnp.sum(row_scales[: x.shape[0]])
+            x = _step(x, rows, extra)
+        return x
+
+    return body
+
+
+def combine_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
+    def body(x, scales, ids, w):
+        rows, row_scales, aux = impl.dispatch(x, scales, ids, w)  # once, outside the chain
+        expert_y = expert_stand_in(cfg, rows, row_scales)
+        y = None
+        for _ in range(n):
+            y = impl.combine(expert_y, aux, w)
+            expert_y = _set_leading_rows(expert_y, _step(expert_y[: y.shape[0]], y))
+        return y, expert_y
+
+    return body
+
+
+def lower_chain(body: Callable, mesh: Mesh, args: tuple):
+    """jit(shard_map(body)) over the EP axis, every argument and result sharded by rows, lowered for `args`."""
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))).lower(*args)
+
+
+# A collective, or one of this package's FFI calls, in a compiled program's optimized HLO.
+_COMMUNICATION_OP = re.compile(
+    r"\b(?:ragged-all-to-all|all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(|"
+    r'custom_call_target="jmc_')
+
+
+def communication_ops(compiled) -> int:
+    """How many communication ops XLA kept in a compiled chain (each round trip has at least one per direction)."""
+    return len(_COMMUNICATION_OP.findall(compiled.as_text()))
+
+
+def merged_steps(pair, n: int, per_step: int) -> str | None:
+    """Why a compiled (1-chain, n-chain) pair cannot time one step: XLA merged or dropped chained steps."""
+    one, many = (communication_ops(fn) for fn in pair)
+    if many - one >= per_step * (n - 1):
+        return None
+    return (f"XLA merged chained steps: {many} communication ops in the {n}-chain, {one} in the 1-chain "
+            f"(expected at least {per_step} more per step)")
+
+
+def timed(fn, args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def best_time(fn, args, short_s: float = 0.05) -> float:
+    """Seconds of one call; the best of three when a call is short (host jitter only ever adds time)."""
+    t = timed(fn, args)
+    return min(t, timed(fn, args), timed(fn, args)) if t < short_s else t
+
+
+def per_step_us(pair, args, n: int) -> float:
+    """(time of the n-chain - time of the 1-chain) / (n - 1), in microseconds."""
+    one, many = pair
+    t1 = best_time(one, args)
+    tn = best_time(many, args)
+    return (tn - t1) / (n - 1) * 1e6

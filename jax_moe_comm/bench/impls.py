@@ -1,0 +1,109 @@
+"""The backends the bench times, behind one per-shard interface (Impl): this library's MoEComm, the XLA-collective
+baselines and the floor probes."""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+import jax_moe_comm
+
+from . import baselines, probes
+from .configs import AXIS, BenchConfig
+
+ALL_BACKENDS = ("nvshmem", "nvshmem_unchecked", "reference", "ragged", "padded", "floor", "floor_flagged")
+UNCHECKED = "nvshmem_unchecked"  # MoEComm(backend="nvshmem", check_errors=False): the price of the default check
+PROBES = ("floor", "floor_flagged")  # not round trips: run only when named, their results not checked
+
+
+class Impl:
+    """One backend for one (config, tokens): per-shard halves with a common shape."""
+
+    name = ""
+    halves = True  # whether dispatch and combine may run (and be timed) on their own
+
+    def dispatch(self, x, scales, ids, w):
+        raise NotImplementedError
+
+    def combine(self, expert_y, aux, w):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class CommImpl(Impl):
+    """MoEComm, backend "nvshmem" or "reference"; "nvshmem_unchecked": nvshmem with check_errors=False."""
+
+    def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool,
+                 weights_to: str = "combine", options: dict | None = None) -> None:
+        self.name = name
+        backend = "nvshmem" if name == UNCHECKED else name
+        self.halves = backend != "nvshmem"
+        self.weights_to = weights_to  # "dispatch": the weights go with dispatch, combine takes none
+        self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend=backend,
+                                         check_errors=check_errors and name != UNCHECKED, **(options or {}))
+
+    def dispatch(self, x, scales, ids, w):
+        d = self.comm.dispatch(x, ids, scales, topk_weights=w if self.weights_to == "dispatch" else None)
+        return d.expert_x, d.expert_scales, (d.group_sizes, d.handle)
+
+    def combine(self, expert_y, aux, w):
+        return self.comm.combine(expert_y, aux[1], None if self.weights_to == "dispatch" else w)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+class BaselineImpl(Impl):
+    """baselines.ragged_* or baselines.padded_*."""
+
+    def __init__(self, name: str, cfg: BenchConfig) -> None:
+        self.name = name
+        self.cfg = cfg
+        self._dispatch = getattr(baselines, f"{name}_dispatch")
+        self._combine = getattr(baselines, f"{name}_combine")
+
+    def dispatch(self, x, scales, ids, w):
+        d = self._dispatch(x, ids, num_experts=self.cfg.experts, axis_name=AXIS, scales=scales)
+        return d.expert_x, d.expert_scales, d
+
+    def combine(self, expert_y, aux, w):
+        return self._combine(expert_y, aux, w, axis_name=AXIS, out_dtype=self.cfg.combine_dtype)
+
+
+class FloorImpl(Impl):
+    """The protocol's floor on this machine (ffi/probe.cu): each direction one kernel that stores the T rows (x,
+    then the expert outputs) into the peer, fences, signals and waits, and copies what landed into its result, with
+    no routing and no layout. The chain and its glue are the other backends'; its result is no round trip's (not
+    checked). Only with the NVSHMEM backend (NVLink). flagged: the bytes in words that carry their own validity, no
+    fence and no signal ("floor_flagged")."""
+
+    halves = False
+
+    def __init__(self, cfg: BenchConfig, tokens: int, mesh: Mesh, flagged: bool = False) -> None:
+        self.name = "floor_flagged" if flagged else "floor"
+        self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend="nvshmem", check_errors=False)
+        plan = self.comm._phases.plan
+        if not plan.p2p:
+            self.comm.close()
+            raise RuntimeError("the floor probe needs NVLink stores to every peer")
+        self._probe = lambda a: probes.probe_exchange(plan, a, flagged)  # per shard, as every Impl's
+
+    def dispatch(self, x, scales, ids, w):
+        return self._probe(x), scales, None
+
+    def combine(self, expert_y, aux, w):
+        return self._probe(expert_y)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool = True,
+              weights_to: str = "combine", options: dict | None = None) -> Impl:
+    """`options`: MoEComm keyword options (staged, timeout_s, the thresholds) of the MoEComm backends."""
+    if name in PROBES:
+        return FloorImpl(cfg, tokens, mesh, flagged=name == "floor_flagged")
+    if name in ("nvshmem", UNCHECKED, "reference"):
+        return CommImpl(name, cfg, tokens, mesh, check_errors, weights_to, options)
+    return BaselineImpl(name, cfg)
