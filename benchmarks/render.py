@@ -84,8 +84,7 @@ def markdown_table(record: dict) -> str:
               f"jax {record.get('jax', '?')}, commit `{record.get('commit', '?')}`, command "
               f"`{record.get('command', '?')}`.")
     if record.get("check_errors") is False:
-        header += (" MoEComm backends timed with `check_errors=False` (`--no-check`): the per-round-trip error "
-                   "callback, a host synchronisation, is left out.")
+        header += " MoEComm backends timed with `check_errors=False` (`--no-check`)."
     if record.get("weights_to") == "dispatch":
         header += " The MoEComm backends got the top-k weights with dispatch (`--weights-to dispatch`)."
     if record.get("note"):
