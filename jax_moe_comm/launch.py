@@ -34,7 +34,7 @@ The worker script joins the job before touching any JAX device::
 
     from jax_moe_comm.launch import initialize_distributed
 
-    process_id, num_processes = initialize_distributed()   # (0, 1) when not started by the launcher
+    process_id, num_processes = initialize_distributed()   # also under SLURM / Open MPI; (0, 1) alone
 
 Lifetime: SIGINT/SIGTERM sent to the launcher are forwarded to every worker. As soon as one worker exits with a
 non-zero status the others get SIGTERM, then SIGKILL after the grace period, and the launcher exits with the
@@ -54,6 +54,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -90,38 +91,54 @@ _distributed: tuple[int, int] | None = None
 
 
 def initialize_distributed() -> tuple[int, int]:
-    """Join the job started by ``python -m jax_moe_comm.launch``; returns ``(process_id, num_processes)``.
+    """Joins the job this process belongs to; returns ``(process_id, num_processes)``. Call it before using any JAX
+    device. Idempotent.
 
-    Calls ``jax.distributed.initialize`` with the coordinator, process count and process id the launcher put in
-    the environment. Call it before using any JAX device. Idempotent: later calls (or a ``jax.distributed`` that
-    is already initialized) return the same answer. Without the launcher's environment it does nothing and
-    returns ``(0, 1)``.
+    In order: a ``jax.distributed`` the caller already initialized gives its own answer; the environment of
+    ``python -m jax_moe_comm.launch`` (coordinator, process count and id) initializes it; a cluster that JAX detects
+    (SLURM, Open MPI, Kubernetes, ...: ``jax.distributed.initialize()`` without arguments) initializes it. Otherwise
+    this is a single-process job, ``(0, 1)``, and a warning says so when the process sees more than one GPU (the
+    NVSHMEM backend needs one process per GPU).
     """
     global _distributed
     if _distributed is not None:
         return _distributed
-    env = os.environ
-    if ENV_COORDINATOR not in env or ENV_PROCESS_ID not in env or ENV_NUM_PROCESSES not in env:
-        return (0, 1)
-    try:
-        process_id = int(env[ENV_PROCESS_ID])
-        num_processes = int(env[ENV_NUM_PROCESSES])
-    except ValueError as e:
-        raise RuntimeError(f"malformed {ENV_PROCESS_ID}/{ENV_NUM_PROCESSES} in the environment: {e}") from None
-
     import jax
 
-    if not jax.distributed.is_initialized():
+    if jax.distributed.is_initialized():
+        _distributed = (jax.process_index(), jax.process_count())
+        return _distributed
+    env = os.environ
+    if ENV_COORDINATOR in env and ENV_PROCESS_ID in env and ENV_NUM_PROCESSES in env:
+        try:
+            process_id, num_processes = int(env[ENV_PROCESS_ID]), int(env[ENV_NUM_PROCESSES])
+        except ValueError as e:
+            raise RuntimeError(f"malformed {ENV_PROCESS_ID}/{ENV_NUM_PROCESSES} in the environment: {e}") from None
         # cluster_detection_method="deactivate": everything is given explicitly, so SLURM/MPI variables inherited
         # from an outer job must not override it (e.g. local_device_ids, which CUDA_VISIBLE_DEVICES already fixes).
-        jax.distributed.initialize(
-            coordinator_address=env[ENV_COORDINATOR],
-            num_processes=num_processes,
-            process_id=process_id,
-            cluster_detection_method="deactivate",
-        )
-    _distributed = (process_id, num_processes)
+        jax.distributed.initialize(coordinator_address=env[ENV_COORDINATOR], num_processes=num_processes,
+                                   process_id=process_id, cluster_detection_method="deactivate")
+    else:
+        try:
+            jax.distributed.initialize()  # JAX's own cluster detection
+        except ValueError as e:
+            if "coordinator_address" not in str(e):  # anything but "no cluster found"
+                raise
+            _distributed = (0, 1)
+            _warn_if_one_process_drives_gpus()
+            return _distributed
+    _distributed = (jax.process_index(), jax.process_count())
     return _distributed
+
+
+def _warn_if_one_process_drives_gpus() -> None:
+    import jax
+
+    if jax.default_backend() == "gpu" and jax.local_device_count() > 1:
+        warnings.warn(f"jax_moe_comm: one process drives {jax.local_device_count()} GPUs and no multi-process job was "
+                      "found (neither python -m jax_moe_comm.launch nor a cluster JAX detects: SLURM, Open MPI, "
+                      "Kubernetes); the NVSHMEM backend needs one process per GPU, so backend='auto' will use the "
+                      "reference backend", stacklevel=3)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -165,4 +166,7 @@ def resolve_backend(backend: str, mesh: Mesh) -> str:
         return "nvshmem"
     if backend == "nvshmem":
         raise RuntimeError(f"backend='nvshmem' is not available: {reason}")
+    if {d.platform for d in mesh.devices.flat} == {"gpu"}:  # GPUs that run the slow path should say so
+        warnings.warn(f"jax_moe_comm: backend='auto' runs the reference backend on this GPU mesh: {reason}",
+                      stacklevel=3)
     return "reference"

@@ -2,6 +2,7 @@
 
 Modes (argv[1]):
   allgather  join the job, check process_count == argv[2], all-gather the process indices across processes
+  own_init   jax.distributed.initialize(argv[3], argv[2], argv[4]) first (the user's own), then allgather
   fail       rank 1 exits with status 3 at once; every other rank sleeps 60 s
   sleep      every rank sleeps 60 s
   env        print the launcher's environment variables (no JAX)
@@ -56,6 +57,12 @@ def env() -> None:
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "allgather":
+        allgather(int(sys.argv[2]))
+    elif mode == "own_init":
+        import jax
+
+        jax.distributed.initialize(coordinator_address=sys.argv[3], num_processes=int(sys.argv[2]),
+                                   process_id=int(sys.argv[4]))
         allgather(int(sys.argv[2]))
     elif mode == "fail":
         fail()

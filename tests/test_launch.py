@@ -6,6 +6,7 @@ The launcher and its workers run as real subprocesses; the worker script is test
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -183,3 +184,50 @@ def test_initialize_distributed_without_launcher(monkeypatch: pytest.MonkeyPatch
         monkeypatch.delenv(key, raising=False)
     assert launch.initialize_distributed() == (0, 1)
     assert launch.initialize_distributed() == (0, 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_pair(argv_of, env_of) -> list[str]:
+    """Two worker processes started as a cluster starts them (no launcher), each with its own environment; their
+    stdout lines, rank 0's first."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
+    procs = [subprocess.Popen([sys.executable, CHILD, *argv_of(i)], env={**base, "JAX_PLATFORMS": "cpu",
+                              "PYTHONPATH": str(REPO), **env_of(i)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("cluster", ["slurm", "ompi"])
+def test_initialize_distributed_joins_a_cluster_jax_detects(cluster: str) -> None:
+    """Under srun or mpirun (their environment as SLURM and Open MPI set it, on one host), each process gets its own
+    id from the cluster and the job is one jax.distributed job."""
+    job = random.randrange(1, 2**20)  # the coordinator's port derives from the job id
+
+    def env_of(i: int) -> dict[str, str]:
+        if cluster == "slurm":
+            return {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+                    "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_STEP_NUM_NODES": "1"}
+        return {"OMPI_MCA_orte_hnp_uri": f"{job * 4096}.0;tcp://127.0.0.1:34911", "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_RANK": str(i), "OMPI_COMM_WORLD_LOCAL_RANK": str(i)}
+
+    outs = _run_pair(lambda i: ["allgather", "2"], env_of)
+    assert [line for out in outs for line in out.splitlines() if line.startswith("OK")] == [
+        "OK process 0/2 gathered=[0, 1]", "OK process 1/2 gathered=[0, 1]"]
+
+
+def test_initialize_distributed_keeps_the_users_own_jax_distributed() -> None:
+    """After the user's own jax.distributed.initialize(), every process gets JAX's process index, not (0, 1)."""
+    address = f"127.0.0.1:{_free_port()}"
+    outs = _run_pair(lambda i: ["own_init", "2", address, str(i)], lambda i: {})
+    assert [line for out in outs for line in out.splitlines() if line.startswith("OK")] == [
+        "OK process 0/2 gathered=[0, 1]", "OK process 1/2 gathered=[0, 1]"]
