@@ -97,8 +97,8 @@ def initialize_distributed() -> tuple[int, int]:
     In order: a ``jax.distributed`` the caller already initialized gives its own answer; the environment of
     ``python -m jax_moe_comm.launch`` (coordinator, process count and id) initializes it; a cluster that JAX detects
     (SLURM, Open MPI, Kubernetes, ...: ``jax.distributed.initialize()`` without arguments) initializes it. Otherwise
-    this is a single-process job, ``(0, 1)``, and a warning says so when the process sees more than one GPU (the
-    NVSHMEM backend needs one process per GPU).
+    (or once JAX's backends are in use: too late to join a job) this is a single-process job, ``(0, 1)``, and a
+    warning says so when the process sees more than one GPU (the NVSHMEM backend needs one process per GPU).
     """
     global _distributed
     if _distributed is not None:
@@ -121,10 +121,11 @@ def initialize_distributed() -> tuple[int, int]:
     else:
         try:
             jax.distributed.initialize()  # JAX's own cluster detection
-        except ValueError as e:
-            if "coordinator_address" not in str(e):  # anything but "no cluster found"
+        except (ValueError, RuntimeError) as e:
+            # "no cluster found" (no coordinator), or JAX's backends already in use: a process alone.
+            if "coordinator_address" not in str(e) and "must be called before" not in str(e):
                 raise
-            _distributed = (0, 1)
+            _distributed = (jax.process_index(), jax.process_count())
             _warn_if_one_process_drives_gpus()
             return _distributed
     _distributed = (jax.process_index(), jax.process_count())

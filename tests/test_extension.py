@@ -50,23 +50,31 @@ def test_the_check_handler_raises_the_same_text_as_python(words):
     assert _native.ext.describe_failure(words) == errors.describe(words)
 
 
-# Symbols of the measurement instruments: the floor probe's handler and launcher, the kernel marks' reader.
-INSTRUMENT_SYMBOL = re.compile(r"jmc_probe|launch_probe|probe_kernel|take_kernel_marks|jmc::.*\bmarks?\b|Probe\(")
+# Symbols of the measurement instruments: the floor probe's handler, launcher and kernels, the kernel marks' reader.
+INSTRUMENT_SYMBOL = re.compile(r"jmc_probe|launch_probe|probe_kernel|probe_flagged|take_kernel_marks|jmc::.*\bmarks?\b")
+# Their names as the library's bytes hold them even when stripped (kernel registration, Python bindings).
+INSTRUMENT_BYTES = (b"probe_kernel", b"probe_flagged", b"take_kernel_marks", b"launch_probe")
 
 
 def defined_symbols(library: str) -> list[str]:
-    out = subprocess.run(["nm", "-C", "--defined-only", library], capture_output=True, text=True, check=True).stdout
-    return [line.split(" ", 2)[-1] for line in out.splitlines() if line.strip()]
+    """Its static symbols (none once stripped, as an installed wheel's are) and its exported ones, demangled."""
+    symbols = []
+    for table in ([], ["-D"]):
+        out = subprocess.run(["nm", "-C", "--defined-only", *table, library], capture_output=True, text=True).stdout
+        symbols += [line.split(" ", 2)[-1] for line in out.splitlines() if line.strip()]
+    return symbols
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
 def test_the_product_build_holds_no_probe_or_mark():
     """The installed extension is the product: the floor probes and the kernel marks are the measurement build's
-    (JAX_MOE_COMM_MEASUREMENT=ON), absent from its symbols and from its Python API."""
+    (JAX_MOE_COMM_MEASUREMENT=ON), absent from its symbols, its bytes and its Python API."""
     if _native.ext.measurement_build():
         pytest.skip("this install is the measurement build")
     symbols = defined_symbols(_native.ext.__file__)
-    assert any("jmc_dispatch_send" in s for s in symbols), "nm found none of the handlers: wrong library?"
+    assert any("jmc::find_context" in s for s in symbols), "nm found none of the library's functions: wrong file?"
     assert [s for s in symbols if INSTRUMENT_SYMBOL.search(s)] == []
+    data = open(_native.ext.__file__, "rb").read()
+    assert [name for name in INSTRUMENT_BYTES if name in data] == []
     assert not hasattr(_native.ext, "take_kernel_marks")
     assert "probe" not in _native.ext.handlers()
