@@ -10,6 +10,7 @@ feeds combine_recv. A MoEComm's calls must form one protocol at a time (see MoEC
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +42,14 @@ def _register_targets() -> None:
         _registered = True
 
 
+@functools.cache
+def _constants() -> dict:
+    return dict(_native.ext.constants())
+
+
 def row_type(dtype) -> int:
     """The kernels' code (RowType, ffi/context.h) of a combine row dtype: bfloat16, float16 or float32."""
-    return int(_native.ext.constants()[np.dtype(dtype).name])
+    return int(_constants()[np.dtype(dtype).name])
 
 
 def _round16(n: int) -> int:
