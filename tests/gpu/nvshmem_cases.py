@@ -168,7 +168,7 @@ OPTIONS: dict = {}  # MoEComm options of every MoEComm the cases make (with_opti
 
 def make_comm(cfg, mesh, backend, **options) -> jmc.MoEComm:
     """A MoEComm over "ep" with the running case's options (and `options`)."""
-    return make_comm(cfg, mesh, backend, **{**OPTIONS, **options})
+    return jmc.MoEComm(cfg, mesh, "ep", backend, **{**OPTIONS, **options})
 
 
 def with_options(case, label: str, **options):
