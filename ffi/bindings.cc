@@ -94,19 +94,20 @@ NB_MODULE(_nvshmem_ext, m) {
   }, "The texts of failures raised by the check handler (from jax_moe_comm/errors.py).");
   m.def("describe_failure", &jmc::describe_failure, "A failure's text, as the check handler raises it.");
   m.def("create_context", [](const std::map<std::string, int64_t>& sizes,
-                             const std::map<std::string, std::pair<size_t, size_t>>& layout, bool staged,
-                             int ids_first_min_tokens) {
+                             const std::map<std::string, std::pair<size_t, size_t>>& layout,
+                             const std::vector<int32_t>& pe_of_rank, bool staged, int ids_first_min_tokens) {
     std::string error;
     jmc::Context* ctx;
     {
       nb::gil_scoped_release released;
-      ctx = jmc::create_context(sizes_from(sizes), layout, staged, ids_first_min_tokens, &error);
+      ctx = jmc::create_context(sizes_from(sizes), layout, pe_of_rank, staged, ids_first_min_tokens, &error);
     }
     if (ctx == nullptr) throw std::runtime_error("jax_moe_comm: " + error);
     return jmc::register_context(ctx);
-  }, nb::arg("sizes"), nb::arg("layout"), nb::arg("staged"), nb::arg("ids_first_min_tokens"),
-        "Collective: allocate one MoEComm's symmetric buffers (layout: name -> (offset, bytes)); returns the "
-        "context's id, the handlers' `context` attribute.");
+  }, nb::arg("sizes"), nb::arg("layout"), nb::arg("pe_of_rank"), nb::arg("staged"), nb::arg("ids_first_min_tokens"),
+        "Collective: allocate one MoEComm's symmetric buffers (layout: name -> (offset, bytes)) for an EP group "
+        "(pe_of_rank: the NVSHMEM PE of each of its ranks); returns the context's id, the handlers' `context` "
+        "attribute.");
   m.def("destroy_context", [](int64_t id) {
     jmc::Context* ctx = context(id);
     jmc::unregister_context(id);

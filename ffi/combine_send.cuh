@@ -76,7 +76,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
       __syncwarp();
       for (int j = 0; j < s.dp_size; ++j)
         nvshmemx_putmem_signal_nbi_warp(dst, staged, row_bytes, ctx.combine_flags + slot, landed, NVSHMEM_SIGNAL_SET,
-                                        group * s.dp_size + j);
+                                        pe_of(ctx, group * s.dp_size + j));
     }
   }
   mark(ctx, kCombineSend, kWorked);

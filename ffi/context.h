@@ -154,7 +154,9 @@ struct Context {
   int32_t* block_counts;      // [L * num_dp][kMaxBlocksPerSm * sm_count] (device memory, not symmetric; with
                               // ids_first, else null): rows of each (local expert, group) in each block's shares of
                               // the arrivals (histogram_split)
-  int64_t peer_offset[kMaxNvlinkPeers];  // with p2p: bytes from a local symmetric address to rank pe's copy of it
+  int32_t* pe_of_rank;        // [world] (device memory) the NVSHMEM PE of each rank of this MoEComm's EP group: the
+                              // ranks of a kernel are the group's, the PEs NVSHMEM's (every process of the job)
+  int64_t peer_offset[kMaxNvlinkPeers];  // with p2p: bytes from a local symmetric address to rank r's copy of it
                                          // as this GPU maps it (peer_ptr; what nvshmem_ptr computes on the device)
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put

@@ -21,27 +21,31 @@ __device__ inline uint64_t now_ns() {
   return t;
 }
 
-// Symmetric `ptr` as rank pe's copy of it, mapped here through NVLink (Context::p2p): an offset read from the kernel's
+// Kernels name peers by their rank in the MoEComm's EP group; NVSHMEM's calls take the PE of that rank.
+__device__ inline int pe_of(const Context& ctx, int rank) { return ctx.pe_of_rank[rank]; }
+
+// Symmetric `ptr` as rank r's copy of it, mapped here through NVLink (Context::p2p): an offset read from the kernel's
 // parameters, where nvshmem_ptr loads NVSHMEM's device state from memory (a dependent load before the first store).
 template <typename T>
-__device__ inline T* peer_ptr(const Context& ctx, T* ptr, int pe) {
-  return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(ptr) + ctx.peer_offset[pe]);
+__device__ inline T* peer_ptr(const Context& ctx, T* ptr, int r) {
+  return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(ptr) + ctx.peer_offset[r]);
 }
 
-// SETs rank pe's copy of a signal word. On NVLink (Context::p2p) a volatile store through peer_ptr, as
+// SETs rank r's copy of a signal word. On NVLink (Context::p2p) a volatile store through peer_ptr, as
 // nvshmemx_signal_op does there, without its first step: a load of the peer's heap base from NVSHMEM's device state
 // (a dependent load on a kernel's first pass). The caller fences first, as with nvshmemx_signal_op.
-__device__ inline void signal_peer(const Context& ctx, uint64_t* word, uint64_t value, int pe) {
-  if (!ctx.p2p) return nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe);
-  *reinterpret_cast<volatile uint64_t*>(peer_ptr(ctx, word, pe)) = value;
+__device__ inline void signal_peer(const Context& ctx, uint64_t* word, uint64_t value, int r) {
+  if (!ctx.p2p) return nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe_of(ctx, r));
+  *reinterpret_cast<volatile uint64_t*>(peer_ptr(ctx, word, r)) = value;
 }
 
-// Stores n int32 words into rank pe's copy of the symmetric `dst` (stores through NVLink, else puts of values).
-__device__ inline void put_words(const Context& ctx, int32_t* dst, const int32_t* src, int n, int pe) {
+// Stores n int32 words into rank r's copy of the symmetric `dst` (stores through NVLink, else puts of values).
+__device__ inline void put_words(const Context& ctx, int32_t* dst, const int32_t* src, int n, int r) {
   if (ctx.p2p) {
-    volatile int32_t* d = peer_ptr(ctx, dst, pe);
+    volatile int32_t* d = peer_ptr(ctx, dst, r);
     for (int i = 0; i < n; ++i) d[i] = src[i];
   } else {
+    const int pe = pe_of(ctx, r);
     for (int i = 0; i < n; ++i) nvshmem_int32_p(dst + i, src[i], pe);
   }
 }

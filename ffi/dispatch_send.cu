@@ -31,9 +31,10 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
     const int dest_of_lane = lane_dest(s, a.topk_ids + static_cast<size_t>(t) * K, lane);
     const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
     for (int d = 0; d < s.world; ++d) {
-      nvshmemx_putmem_nbi_warp(ctx.dispatch_ids + slot * K, staged + header_offset(s) + 4, 4 * K, d);
+      const int pe = pe_of(ctx, d);
+      nvshmemx_putmem_nbi_warp(ctx.dispatch_ids + slot * K, staged + header_offset(s) + 4, 4 * K, pe);
       if (__any_sync(0xffffffffu, dest_of_lane == d))
-        nvshmemx_putmem_nbi_warp(ctx.dispatch_slots + slot * s.token_stride, staged, s.token_stride, d);
+        nvshmemx_putmem_nbi_warp(ctx.dispatch_slots + slot * s.token_stride, staged, s.token_stride, pe);
     }
   }
   mark(ctx, kDispatchSend, kWorked);

@@ -79,8 +79,19 @@ size_t layout_bytes(const Layout& layout) {
 
 }  // namespace
 
-Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, int ids_first_min_tokens,
-                        std::string* error) {
+Context* create_context(const Sizes& sizes, const Layout& layout, const std::vector<int32_t>& pe_of_rank, bool staged,
+                        int ids_first_min_tokens, std::string* error) {
+  // The EP group: `world` distinct PEs of the job, this PE at position `rank`.
+  bool group_ok = pe_of_rank.size() == static_cast<size_t>(sizes.world) && sizes.rank >= 0 &&
+                  sizes.rank < sizes.world && pe_of_rank[sizes.rank] == nvshmem_my_pe();
+  std::vector<int32_t> sorted(pe_of_rank);
+  std::sort(sorted.begin(), sorted.end());
+  group_ok = group_ok && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end() && !sorted.empty() &&
+             sorted.front() >= 0 && sorted.back() < nvshmem_n_pes();
+  if (!group_ok) {
+    *error = "the EP group's PEs must be world distinct PEs of the job, this PE at position rank";
+    return nullptr;
+  }
   const size_t total = layout_bytes(layout);
   // One allocation (collective: same size on every rank), carved into the buffers; zeroed once. No word is ever
   // reset: every word a rank waits for carries the round trip's epoch.
@@ -116,7 +127,10 @@ Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, i
   ctx->abort_word = region<uint64_t>(base, layout, "abort_word", &missing);
   ctx->row_of = region<int32_t>(base, layout, "row_of", &missing);
   void* host = nullptr;
+  const size_t map_bytes = pe_of_rank.size() * sizeof(int32_t);
   const bool ok = missing.empty() && cudaMalloc(&ctx->local, sizeof(LocalWords)) == cudaSuccess &&
+                  cudaMalloc(&ctx->pe_of_rank, map_bytes) == cudaSuccess &&
+                  cudaMemcpy(ctx->pe_of_rank, pe_of_rank.data(), map_bytes, cudaMemcpyHostToDevice) == cudaSuccess &&
                   cudaHostAlloc(&host, sizeof(HostWords), cudaHostAllocMapped) == cudaSuccess &&
                   cudaHostGetDevicePointer(reinterpret_cast<void**>(&ctx->host_words), host, 0) == cudaSuccess;
   ctx->host_view = static_cast<HostWords*>(host);
@@ -128,10 +142,10 @@ Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, i
   }
   // NVLink: every peer's heap is mapped here, at a fixed offset from ours (so for every buffer of this allocation).
   ctx->p2p = !staged && sizes.world <= kMaxNvlinkPeers;
-  for (int pe = 0; pe < sizes.world && ctx->p2p; ++pe) {
-    const char* peer = static_cast<const char*>(nvshmem_ptr(base, pe));
+  for (int r = 0; r < sizes.world && ctx->p2p; ++r) {
+    const char* peer = static_cast<const char*>(nvshmem_ptr(base, pe_of_rank[r]));
     ctx->p2p = peer != nullptr;
-    if (ctx->p2p) ctx->peer_offset[pe] = peer - base;
+    if (ctx->p2p) ctx->peer_offset[r] = peer - base;
   }
   // The ids-first dispatch and its per-block histograms (local device memory, read only by that kernel; never read
   // before written in the same call: no zeroing). Without them the fused dispatch sends first.
@@ -279,6 +293,7 @@ void destroy_context(Context* ctx, bool collective) {
 #endif
   if (ctx->block_counts != nullptr) cudaFree(ctx->block_counts);
   if (ctx->local != nullptr) cudaFree(ctx->local);
+  if (ctx->pe_of_rank != nullptr) cudaFree(ctx->pe_of_rank);
   if (ctx->on_device != nullptr) cudaFree(const_cast<Context*>(ctx->on_device));
   if (ctx->host_view != nullptr) cudaFreeHost(ctx->host_view);
   delete ctx->host_state;

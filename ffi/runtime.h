@@ -34,7 +34,8 @@ using Layout = std::map<std::string, std::pair<size_t, size_t>>;
 // Collective: one MoEComm's symmetric buffers. `staged`: send through symmetric staging and puts even where NVLink
 // stores would reach every peer; `ids_first_min_tokens`: from that max_tokens on (NVLink, one replica per DP group)
 // the fused dispatch sends its ids first (Context::ids_first).
-Context* create_context(const Sizes& sizes, const Layout& layout, bool staged, int ids_first_min_tokens,
+Context* create_context(const Sizes& sizes, const Layout& layout, const std::vector<int32_t>& pe_of_rank, bool staged,
+                        int ids_first_min_tokens,
                         std::string* error);
 
 // Contexts by id, the handlers' `context` attribute (ids are never reused: a compiled program names its context,

@@ -122,30 +122,54 @@ class Plan:
     p2p: bool  # stores reach every peer (NVLink): the fused calls run one kernel each, combine_send pre-reduces
 
 
+def ep_group(mesh, ep_axes: tuple[str, ...], device) -> tuple[int, list]:
+    """(the EP rank of `device`, its EP group's devices by rank): the devices that share `device`'s coordinates on
+    every other axis of `mesh`, ordered row-major over `ep_axes` (as ``jax.lax.axis_index(ep_axes)`` numbers them)."""
+    names = list(mesh.axis_names)
+    found = np.argwhere(mesh.devices == device)
+    if len(found) != 1:
+        raise ValueError(f"device {device} is not in the mesh once")
+    where = tuple(int(i) for i in found[0])
+    index = tuple(slice(None) if name in ep_axes else where[i] for i, name in enumerate(names))
+    kept = [name for name in names if name in ep_axes]  # the group's axes, in mesh order
+    group = np.transpose(mesh.devices[index], [kept.index(name) for name in ep_axes]).reshape(-1)
+    devices = list(group)
+    return devices.index(device), devices
+
+
 def create_plan(geo: Geometry, mesh) -> Plan:
-    """Collective (every process, same order): allocates one MoEComm's symmetric buffers."""
+    """Collective (every process, same order): allocates one MoEComm's symmetric buffers. Each EP group of the mesh
+    (one per coordinate of its other axes) exchanges among its own PEs; one symmetric allocation per process."""
     rt = runtime.current()
     if rt is None:
         raise RuntimeError("backend='nvshmem' needs jax_moe_comm.initialize() first (after jax.distributed)")
     cfg = geo.cfg
     if cfg.experts_per_token > MAX_EXPERTS_PER_TOKEN:
         raise ValueError(f"experts_per_token must be <= {MAX_EXPERTS_PER_TOKEN} on the NVSHMEM backend")
-    if geo.world != rt.world:
-        raise ValueError(f"mesh axis {geo.axis_name!r} has {geo.world} devices but NVSHMEM has {rt.world} ranks; "
-                         "the EP axis must span every process")
-    devices = list(mesh.devices.reshape(-1)) if mesh.devices.size == geo.world else None
-    if devices is None or devices.index(rt.device) != rt.rank:
-        raise ValueError(f"the EP axis must order devices by process (rank {rt.rank} at position {rt.rank}); "
-                         "build the mesh from jax.devices()")
+    if mesh.devices.size != rt.world:
+        raise ValueError(f"the mesh has {mesh.devices.size} devices but NVSHMEM has {rt.world} processes; the mesh "
+                         "must hold every process's GPU (one GPU per process)")
+    rank, devices = ep_group(mesh, _ep_axes(geo.axis_name), rt.device)
+    pes = [int(d.process_index) for d in devices]
+    if len(set(pes)) != len(pes):
+        raise ValueError("the NVSHMEM backend needs one GPU per process: an EP group holds two devices of process "
+                         f"{max(pes, key=pes.count)}")
     _register_targets()
-    ctx = create_context(cfg, geo.world, rt.rank, geo.options)
+    ctx = create_context(cfg, geo.world, rank, geo.options, pes)
     return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)))
 
 
-def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options) -> int:
-    """Collective: the extension's context of one MoEComm on this rank (its id)."""
+def _ep_axes(axis_name) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, pe_of_rank: list[int] | None = None
+                   ) -> int:
+    """Collective: the extension's context of one MoEComm on this rank (its id). pe_of_rank: the NVSHMEM PE of each
+    rank of the EP group (default: rank r is PE r, the group of every PE)."""
     sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s)
     return _native.ext.create_context(sizes, symmetric_layout(cfg, world, _native.measurement_build()),
+                                      list(range(world)) if pe_of_rank is None else list(pe_of_rank),
                                       staged=options.staged,
                                       ids_first_min_tokens=options.ids_first_min_tokens)
 
@@ -196,13 +220,24 @@ class PendingCombine:
 _STATUS = jax.ShapeDtypeStruct((errors.STATUS_WORDS,), jnp.int32)
 
 
-def _varying(a: Array, axis_name: str) -> Array:
-    """Marks a custom call's per-shard result as varying over the EP axis, as shard_map's type checks expect
-    (ffi_call results carry no such annotation; without it e.g. a lax.scan carry would change type)."""
-    try:
-        return jax.lax.pcast(a, axis_name, to="varying")
-    except ValueError:  # already varying
-        return a
+def _varying_axes(a) -> frozenset:
+    """The manual mesh axes over which a per-shard value varies (shard_map's type; empty outside one)."""
+    aval = jax.typeof(a)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _varying(outs, args, ep_axes: tuple[str, ...]):
+    """Marks a custom call's per-shard results as varying over the EP axes and every axis its operands vary over,
+    as shard_map's type checks expect (ffi_call results carry no such annotation; without it e.g. a lax.scan carry
+    would change type)."""
+    axes = frozenset(ep_axes).union(*(_varying_axes(a) for a in jax.tree.leaves(args)))
+
+    def cast(a):
+        missing = tuple(sorted(axes - _varying_axes(a)))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, outs)
 
 
 def _call(name: str, results, plan: Plan, *args, **attrs):
@@ -213,7 +248,7 @@ def _call(name: str, results, plan: Plan, *args, **attrs):
     args = jax.lax.optimization_barrier(args)
     outs = jax.ffi.ffi_call(f"jmc_{name}", results, has_side_effect=True)(*args, context=np.int64(plan.ctx), **attrs)
     outs = jax.lax.optimization_barrier(outs)
-    return jax.tree.map(lambda a: _varying(a, plan.geo.axis_name), outs)
+    return _varying(outs, args, _ep_axes(plan.geo.axis_name))
 
 
 def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,

@@ -116,12 +116,12 @@ class DeviceArrays:
 RUN = {"timeout_s": 30.0, "staged": False}  # this run's MoEComm options (--timeout-s, --staged)
 
 
-def create_context(cfg, world, rank, **options):
-    """Collective: a context of `cfg` for this rank, as MoEComm makes one with these options (and this run's).
-    Returns (context id, its Sizes)."""
+def create_context(cfg, world, rank, pes=None, **options):
+    """Collective: a context of `cfg` for this rank, as MoEComm makes one with these options (and this run's), for
+    the EP group of PEs `pes` (by rank; default every PE). Returns (context id, its Sizes)."""
     opts = Options(**{**RUN, **options})
     sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), opts.timeout_s)
-    return create_backend_context(cfg, world, rank, opts), sizes
+    return create_backend_context(cfg, world, rank, opts, pes), sizes
 
 
 def reference_round_trip(cfg, world, x, ids, w, scales, counts):
@@ -223,7 +223,8 @@ def run_entry(case, rank, world, seed):
     return run_case(rank, world, seed, cfg, kind, options=options[0] if options else {})
 
 
-def run_case(rank, world, seed, cfg, kind, repeats=2, options=None):
+def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None):
+    """One case on this rank of `world` ranks (the EP group of PEs `pes`, by rank; default every PE)."""
     rng = np.random.default_rng(seed)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
     x = rng.standard_normal((world * T, H)).astype(np.float32)
@@ -232,7 +233,7 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None):
     counts = np.full(world, T, np.int32)
     scales = (rng.random((world * T, cfg.scale_cols)) + 0.5).astype(np.float32) if cfg.is_fp8 else None
     ref = reference_round_trip(cfg, world, x, ids, w, scales, counts)
-    ctx, sizes = create_context(cfg, world, rank, **(options or {}))
+    ctx, sizes = create_context(cfg, world, rank, pes, **(options or {}))
     try:
         p2p = bool(_native.ext.context_p2p(ctx))
         cap, L = sizes["capacity"], sizes["local_experts"]
@@ -260,6 +261,25 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None):
                 f"{repeats} trips {combines}, {kernels}")
     finally:
         _native.ext.destroy_context(ctx)
+
+
+def ep_groups(rank, world, seed, cfg, kind, options=None) -> str:
+    """Two EP groups of world / 2 PEs each, interleaved (PEs 0, 2, 4, .. and 1, 3, 5, ..: the groups of a mesh
+    ("ep", "data") whose data axis is the minor one): each group's round trips, on data of its own, against the
+    reference over that group alone. Both groups run at once on one symmetric allocation per PE."""
+    if world < 4 or world % 2:
+        raise ValueError(f"EP groups need an even world of 4 or more PEs, got {world}")
+    group, group_rank, group_world = rank % 2, rank // 2, world // 2
+    pes = [group + 2 * r for r in range(group_world)]
+    info = run_case(group_rank, group_world, seed + 1000 * group, cfg, kind, options=options, pes=pes)
+    return f"2 groups of {group_world} PEs, group {group} PEs {pes}: {info}"
+
+
+GROUP_CASES = {
+    "EP groups: bf16 K8 E32": (C(32, 8, 256, 32, dtype=jnp.bfloat16), "uniform"),
+    "EP groups: fp8+scales K8, staged puts": (C(32, 8, 512, 16, dtype=jnp.float8_e4m3fn, scale_block=128),
+                                              "uniform", {"staged": True}),
+}
 
 
 def check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at):
@@ -515,6 +535,8 @@ def main() -> int:
         return 0
     passed = failed = 0
     cases = {name: (lambda r, w, s, c=case: run_entry(c, r, w, s)) for name, case in CASES.items()}
+    if world >= 4:
+        cases.update({name: (lambda r, w, s, c=case: ep_groups(r, w, s, *c)) for name, case in GROUP_CASES.items()})
     for i, (name, case) in enumerate({**cases, **FAULTS}.items()):
         if args.only and not any(p in name for p in args.only.split("|")):
             continue

@@ -1,0 +1,26 @@
+"""The GPU scripts' own helpers, run here on the reference backend: a helper broken on the CPU would fail every GPU
+case at once, on a machine whose time is scarce."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+
+import jax_moe_comm as jmc
+from conftest import ep_mesh
+
+sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+import nvshmem_cases  # noqa: E402
+
+
+def test_make_comm_gives_the_running_cases_options():
+    cfg = jmc.MoECommConfig(8, 2, 16, 4, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = nvshmem_cases.make_comm(cfg, ep_mesh(2), "reference", timeout_s=3.0)
+    assert isinstance(comm, jmc.MoEComm) and comm.world == 2 and comm.timeout_s == 3.0
+    nvshmem_cases.OPTIONS.update(staged=True)
+    try:
+        assert nvshmem_cases.make_comm(cfg, ep_mesh(2), "reference").options.staged
+    finally:
+        nvshmem_cases.OPTIONS.clear()
