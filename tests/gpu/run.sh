@@ -5,6 +5,8 @@
 #   CASES / CASES_SKIP = "a|b"  run / skip the cases whose name contains a or b
 #   TESTS=0 | cases             skip bootstrap, launcher, cases and demo | run the cases alone (default: all)
 #   TRAIN="args"                the training example on both backends through the launcher, losses compared
+#   DECODE="args"               the decode example through the launcher (RANKS processes), checked against its dense
+#                               model
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
 #   MEASURE=1|0                 build the measurement instruments (kernel marks, floor probes) or not; by default
 #                               when MARKS is set or BENCH/BENCH_SINGLE/TRACE/CASES names a floor probe
@@ -77,7 +79,10 @@ timeout 400 cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v p
   cp build/gpu/_nvshmem_ext*.so jax_moe_comm/ || { tail -30 "$LOGS/build.log"; step "build FAILED"; exit 1; }
 python3 -c "import jax_moe_comm as j; print(j.build_info())" | tee -a "$OUT/summary.txt"
 
-if [ "${TESTS:-1}" = 1 ]; then
+gpus=$(nvidia-smi -L | grep -c "^GPU")
+if [ "${TESTS:-1}" = 1 ] && [ "$gpus" -lt 2 ]; then
+  step "bootstrap, two-node launch and demo: SKIP (they need 2 GPUs; this machine has $gpus)"
+elif [ "${TESTS:-1}" = 1 ]; then
 step "bootstrap (nvshmem4py, else the extension's own init)"
 BOOTSTRAP=${BOOTSTRAP:-auto}
 if ! timeout 120 python3 -m jax_moe_comm.launch -n 2 -- tests/gpu/bootstrap_probe.py $BOOTSTRAP 2>&1 | tee "$LOGS/bootstrap.log"; then
@@ -109,7 +114,7 @@ case_results "$LOGS/cases.log"
 step "cases exit code $rc"
 fi
 
-if [ "${TESTS:-1}" = 1 ]; then
+if [ "${TESTS:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
 step "demo through the launcher"
 timeout 300 python3 -m jax_moe_comm.launch -n 2 -- python -m jax_moe_comm.demo > "$LOGS/demo.log" 2>&1
 rc=$?
@@ -125,6 +130,15 @@ if [ -n "${TRAIN:-}" ]; then  # the training example on both backends, losses co
     echo "$backend: exit $? $(grep -h '^\[rank 0\] held-out loss' "$LOGS/train_$backend.log")" | tee -a "$OUT/summary.txt"
   done
   python3 tests/gpu/compare_losses.py "$LOGS/train_nvshmem.json" "$LOGS/train_reference.json" 2>&1 | tee -a "$OUT/summary.txt"
+fi
+
+if [ -n "${DECODE:-}" ]; then
+  step "decode example, ${RANKS:-2} rank(s): $DECODE"
+  timeout 300 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- -m jax_moe_comm.examples.decode $DECODE \
+    > "$LOGS/decode.log" 2>&1
+  rc=$?
+  grep -E "^\[rank 0\] .*(PASS|FAIL|tokens/s|backend)" "$LOGS/decode.log" | tee -a "$OUT/summary.txt"
+  step "decode exit code $rc"
 fi
 
 if [ -n "${BENCH:-}" ]; then
