@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+from conftest import ep_mesh
 
 import jax_moe_comm as jmc
-from conftest import ep_mesh
 
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 import nvshmem_cases  # noqa: E402
