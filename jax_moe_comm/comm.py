@@ -1,12 +1,14 @@
 """Public API: MoEComm, its per-shard calls, and the global-view wrappers.
 
-Per-shard calls (``comm.dispatch`` ...) run inside the user's ``shard_map`` over ``axis_name``; the module-level
-``dispatch``/``combine`` take arrays sharded over that axis and need no user-written shard_map.
+Per-shard calls (``comm.dispatch`` ...) run inside the user's ``shard_map`` over the mesh (over the EP axes at
+least); the module-level ``dispatch``/``combine`` take arrays sharded over the batch and EP axes (``comm.batch_spec``)
+and need no user-written shard_map.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -24,6 +26,55 @@ BACKENDS = ("auto", "nvshmem", "reference")
 COMBINE_DTYPES = [np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
 
 
+def _axis_names(name: str, value: Any) -> tuple[str, ...]:
+    """`value` (one axis name or a tuple/list of them) as a tuple; ValueError naming `name` otherwise."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not all(isinstance(a, str) for a in names):
+        raise ValueError(f"{name} must be a mesh axis name or a tuple of them, got {value!r}")
+    return tuple(names)
+
+
+def _check_axes(name: str, axes: tuple[str, ...], mesh: Mesh) -> None:
+    """ValueError naming `name` unless every axis is a distinct axis of `mesh`."""
+    mesh_axes = tuple(mesh.axis_names)
+    for axis in axes:
+        if axis not in mesh_axes:
+            which = "" if len(axes) == 1 else f" names {axis!r}, which"
+            raise ValueError(f"{name} {axes[0] if len(axes) == 1 else axes!r}{which} is not an axis of the mesh "
+                             f"{mesh_axes}")
+        if axes.count(axis) > 1:
+            raise ValueError(f"{name} {axes!r} names mesh axis {axis!r} twice")
+
+
+def ep_axes_of(axis_name: str | tuple[str, ...], mesh: Mesh) -> tuple[str, ...]:
+    """The EP axes named by `axis_name` (one mesh axis or a tuple of them), validated against `mesh`."""
+    axes = _axis_names("axis_name", axis_name)
+    if not axes:
+        raise ValueError("axis_name must name at least one mesh axis (the EP axes), got ()")
+    _check_axes("axis_name", axes, mesh)
+    return axes
+
+
+def batch_axes_of(batch_axes: str | tuple[str, ...] | None, ep_axes: tuple[str, ...], mesh: Mesh) -> tuple[str, ...]:
+    """The global view's batch axes: `batch_axes` validated (mesh axes, none of them an EP axis), or for None every
+    mesh axis that is not an EP axis, in mesh order."""
+    if batch_axes is None:
+        return tuple(a for a in mesh.axis_names if a not in ep_axes)
+    axes = _axis_names("batch_axes", batch_axes)
+    _check_axes("batch_axes", axes, mesh)
+    shared = [a for a in axes if a in ep_axes]
+    if shared:
+        raise ValueError(f"batch_axes {axes!r} must not name an EP axis (axis_name {ep_axes!r}): {shared[0]!r} is both")
+    return axes
+
+
+def dim0_spec(axes: tuple[str, ...]) -> P:
+    """PartitionSpec of an array whose dim 0 is sharded over `axes` (row-major, in this order)."""
+    if not axes:
+        return P()
+    return P(axes[0] if len(axes) == 1 else axes)
+
+
 def _check_array(name: str, value: Any, shape: tuple, dtypes: tuple | None, dtype_rule: str = "") -> Array:
     """ValueError naming `name` unless `value` has `shape` and one of `dtypes`."""
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
@@ -37,12 +88,19 @@ def _check_array(name: str, value: Any, shape: tuple, dtypes: tuple | None, dtyp
 
 
 class MoEComm:
-    """Dispatch/combine for one MoE layer over the mesh axis ``axis_name``.
+    """Dispatch/combine for one MoE layer over the EP axes ``axis_name`` of a mesh.
 
     Args:
       cfg: the layer's MoECommConfig.
-      mesh: a jax Mesh with an axis named ``axis_name`` (the EP axis; other axes are left alone).
-      axis_name: the EP axis; its size is the world.
+      mesh: a jax Mesh holding the EP axes; it may have other axes (data, pipeline ...).
+      axis_name: the EP axis, or a tuple of mesh axes that together form it (a compound EP axis, e.g.
+        ``("context", "expert")``). ``world`` is the product of their sizes; a device's EP rank is its row-major
+        index over them in the order given (``jax.lax.axis_index(axis_name)``), and rank r holds experts
+        r*L .. r*L + L - 1. The coordinates of the other mesh axes select independent EP groups: each group's
+        ``world`` ranks exchange tokens only among themselves (``dp_size`` counts replicas inside a group).
+      batch_axes: (keyword) the mesh axes besides the EP axes over which the global view's batch (dim 0) is sharded.
+        None (default): every other mesh axis, in mesh order. Mesh axes in neither set hold replicas of the global
+        view's inputs, and each of their coordinates repeats the same exchange. See ``batch_spec``.
       backend: "reference" (pure JAX collectives, any platform), "nvshmem" (CUDA kernels; needs the CUDA
         extension and ``jax_moe_comm.initialize()``), or "auto" (nvshmem when available, else reference).
       custom_vjp: differentiate the fused ``dispatch``/``combine`` with the rules of ``autodiff.py`` (built from
@@ -84,6 +142,13 @@ class MoEComm:
     On the NVSHMEM backend's NVLink path the fused ``dispatch`` and ``combine`` run one kernel each (send, then
     receive), the split halves two; the results are the same.
 
+    Per-shard calls (``comm.dispatch`` ...) run inside the user's ``shard_map`` over the mesh (every axis, or the EP
+    axes at least) and exchange among the ranks of the caller's EP group. The global view (``jax_moe_comm.dispatch``
+    / ``combine``, ``layers.moe_layer``) takes arrays whose dim 0 is ``num_shards`` per-shard blocks sharded
+    ``batch_spec`` = ``P((*batch_axes, *ep_axes))``: block ``g * world + r`` is EP rank r of the batch coordinate g
+    (row-major over batch_axes). It builds one shard_map over the whole mesh, so an input sharded over fewer axes (or
+    replicated) is sliced locally, with no communication besides the EP exchange.
+
     One MoEComm carries one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv, then
     the next dispatch. Data dependencies give XLA that order within a round trip (and, with custom_vjp, between
     the forward and backward round trips); independent round trips need a MoEComm each (e.g. one per layer, and
@@ -92,26 +157,30 @@ class MoEComm:
     buffers to share and accepts any order.
     """
 
-    def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str = "ep", backend: str = "auto", *,
+    def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str | tuple[str, ...] = "ep",
+                 backend: str = "auto", *, batch_axes: str | tuple[str, ...] | None = None,
                  custom_vjp: bool | None = None, grad_dtype: Any = None, check_errors: bool | str = True,
                  timeout_s: float = 30.0, prereduce_min_tokens: int = 64, ids_first_min_tokens: int = 1024,
                  staged: bool = False) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
-        if axis_name not in mesh.axis_names:
-            raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+        if not isinstance(mesh, Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        ep_axes = ep_axes_of(axis_name, mesh)
+        self._ep_axes = ep_axes
+        self.batch_axes = batch_axes_of(batch_axes, ep_axes, mesh)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         options = Options(check_errors=check_errors, timeout_s=timeout_s, prereduce_min_tokens=prereduce_min_tokens,
                           ids_first_min_tokens=ids_first_min_tokens, staged=staged)
         self.cfg = cfg
         self.mesh = mesh
-        self.axis_name = axis_name
-        self.world = int(mesh.shape[axis_name])
-        cfg.validate_world(self.world, axis_name)
+        self.axis_name = axis_name if isinstance(axis_name, str) else ep_axes  # as given (a list becomes a tuple)
+        self.world = math.prod(int(mesh.shape[a]) for a in ep_axes)
+        cfg.validate_world(self.world, ep_axes)
         self.backend = runtime.resolve_backend(backend, mesh)
         self.options = options
-        self._geo = Geometry(cfg, self.world, axis_name, options)
+        self._geo = Geometry(cfg, self.world, ep_axes, options)
         self.custom_vjp = self.backend == "nvshmem" if custom_vjp is None else bool(custom_vjp)
         if grad_dtype is not None:
             if not cfg.is_fp8:
@@ -127,14 +196,31 @@ class MoEComm:
             impl, plan = reference, self._geo
         # The buffers of an fp8 layer's backward round trip (see autodiff.py), in grad_dtype.
         self._grad_comm = None if grad_dtype is None else MoEComm(
-            dataclasses.replace(cfg, dtype=grad_dtype, scale_block=None, capacity=self.capacity), mesh, axis_name,
-            backend=self.backend, custom_vjp=False, **dataclasses.asdict(options))
+            dataclasses.replace(cfg, dtype=grad_dtype, scale_block=None, capacity=self.capacity), mesh, ep_axes,
+            backend=self.backend, batch_axes=self.batch_axes, custom_vjp=False, **dataclasses.asdict(options))
         self._phases = autodiff.Phases(impl, plan, self._geo, self.combine_weights_at,
                                        None if self._grad_comm is None else self._grad_comm._phases)
 
     @property
     def timeout_s(self) -> float:
         return self.options.timeout_s
+
+    # Axes and the global view's layout ---------------------------------------------------------------
+    @property
+    def ep_axes(self) -> tuple[str, ...]:
+        """The EP axes as a tuple (``("ep",)`` for ``axis_name="ep"``)."""
+        return self._ep_axes
+
+    @property
+    def batch_spec(self) -> P:
+        """PartitionSpec of dim 0 of the global view's arrays: sharded over ``batch_axes`` then the EP axes."""
+        return dim0_spec((*self.batch_axes, *self.ep_axes))
+
+    @property
+    def num_shards(self) -> int:
+        """Per-shard blocks along dim 0 of the global view's arrays: the product of the batch axes' sizes times
+        ``world`` (x has ``num_shards * max_tokens`` rows)."""
+        return math.prod(int(self.mesh.shape[a]) for a in self.batch_axes) * self.world
 
     def check(self) -> None:
         """Raises MoECommError for a failure the device has reported and no check has raised yet (NVSHMEM backend;
@@ -181,7 +267,8 @@ class MoEComm:
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())
-        return (f"MoEComm(world={self.world}, backend={self.backend!r}, capacity={self.capacity}, "
+        return (f"MoEComm(world={self.world}, ep_axes={self.ep_axes!r}, batch_axes={self.batch_axes!r}, "
+                f"backend={self.backend!r}, capacity={self.capacity}, "
                 f"custom_vjp={self.custom_vjp}, grad_dtype={self.grad_dtype}, {options}, cfg={self.cfg})")
 
     # Argument checks ---------------------------------------------------------------------------------
@@ -229,7 +316,7 @@ class MoEComm:
         elif topk_weights is not None:
             self._check_weights(topk_weights)
 
-    # Per-shard API (inside shard_map over axis_name) -------------------------------------------------
+    # Per-shard API (inside shard_map over the mesh: the EP axes at least) -------------------------------
     def dispatch_send(self, x: Array, topk_ids: Array, scales: Array | None = None,
                       num_tokens: Array | None = None, topk_weights: Array | None = None):
         """Starts sending tokens to their experts' ranks; returns a pending pytree for ``dispatch_recv``.
@@ -294,31 +381,56 @@ class MoEComm:
 
 # Global view --------------------------------------------------------------------------------------------
 def _lift_scalars(tree):
-    """Per-shard scalars become [1] so they can be concatenated over the EP axis."""
+    """Per-shard scalars become [1] so they can be concatenated over the batch and EP axes."""
     return jax.tree.map(lambda a: a.reshape(1) if a.ndim == 0 else a, tree)
 
 
 def _per_shard(comm: MoEComm, fn, *args):
-    spec = P(comm.axis_name)
+    """fn on every shard of the whole mesh: dim 0 of every argument and result split as ``comm.batch_spec``.
+    Mapping every mesh axis (not only the EP axes) is what lets XLA slice an input sharded over fewer axes locally
+    instead of resharding it, and keeps the EP groups of different batch coordinates apart."""
+    spec = comm.batch_spec
     mapped = jax.shard_map(lambda *a: _lift_scalars(fn(*a)), mesh=comm.mesh, in_specs=spec, out_specs=spec)
     return mapped(*args)
 
 
+def _check_global_rows(comm: MoEComm, name: str, value: Any, rows_per_shard: int, what: str) -> None:
+    """ValueError naming `name` unless dim 0 of `value` (if an array) holds num_shards blocks of rows_per_shard rows.
+    Checked before the shard_map, whose per-shard message would not say what the global shape must be."""
+    shape = getattr(value, "shape", None)
+    if shape is None or len(shape) == 0 or shape[0] == comm.num_shards * rows_per_shard:
+        return  # not an array: the per-shard checks name the problem
+    raise ValueError(f"{name} must have num_shards * {what} = {comm.num_shards} * {rows_per_shard} rows (one block per "
+                     f"rank, sharded {comm.batch_spec}; batch_axes=() replicates the batch over the other mesh axes), "
+                     f"got shape {tuple(shape)}")
+
+
+def _check_global_num_tokens(comm: MoEComm, num_tokens: Any) -> None:
+    """ValueError unless num_tokens is an integer array [num_shards]: one count per rank (per block of x)."""
+    if not hasattr(num_tokens, "shape") or tuple(num_tokens.shape) != (comm.num_shards,):
+        got = f"shape {tuple(num_tokens.shape)}" if hasattr(num_tokens, "shape") else type(num_tokens).__name__
+        raise ValueError(f"num_tokens must have shape ({comm.num_shards},) = (num_shards,) (one count per rank), "
+                         f"got {got}")
+    if not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+        raise ValueError(f"num_tokens must be integer (one count per rank), got {np.dtype(num_tokens.dtype).name}")
+
+
 def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None = None,
              num_tokens: Array | None = None, topk_weights: Array | None = None) -> Dispatched:
-    """Global-view dispatch on arrays sharded over ``comm.axis_name`` (usable inside ``jit``).
+    """Global-view dispatch on arrays sharded ``comm.batch_spec`` on dim 0 (usable inside ``jit``).
 
-    x: [world * max_tokens, H]; topk_ids: int32 [world * max_tokens, K]; scales: float32
-    [world * max_tokens, H // B] (fp8); num_tokens: int32 [world] (one count per rank) or None; topk_weights:
-    float32 [world * max_tokens, K] or None (see MoEComm.dispatch).
-    Returns a Dispatched whose arrays are the per-shard results concatenated over the EP axis:
-    expert_x [world * capacity, H], group_sizes [E], handle.num_tokens [world].
+    With N = ``comm.num_shards`` (= world on a mesh of the EP axes only; block ``g * world + r`` is EP rank r of
+    batch coordinate g): x [N * max_tokens, H]; topk_ids int32 [N * max_tokens, K]; scales float32
+    [N * max_tokens, H // B] (fp8); num_tokens int32 [N] (one count per block) or None; topk_weights float32
+    [N * max_tokens, K] or None (see MoEComm.dispatch).
+    Returns a Dispatched whose arrays are the per-shard results concatenated in block order:
+    expert_x [N * capacity, H], group_sizes [N * L], handle.row_origin [N * capacity], handle.num_tokens [N].
     """
 
+    for name, value in (("x", x), ("topk_ids", topk_ids), ("scales", scales), ("topk_weights", topk_weights)):
+        _check_global_rows(comm, name, value, comm.cfg.max_tokens, "max_tokens")
     if num_tokens is not None:
-        _check_array("num_tokens", num_tokens, (comm.world,), None)
-        if not jnp.issubdtype(num_tokens.dtype, jnp.integer):
-            raise ValueError(f"num_tokens must be integer (one count per rank), got {np.dtype(num_tokens.dtype).name}")
+        _check_global_num_tokens(comm, num_tokens)
 
     def shard_fn(x, topk_ids, scales, num_tokens, topk_weights):
         count = None if num_tokens is None else num_tokens.reshape(())
@@ -328,9 +440,12 @@ def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None = No
 
 
 def combine(comm: MoEComm, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None) -> Array:
-    """Global-view combine: expert_y [world * capacity, H], the global handle from ``dispatch``,
-    topk_weights float32 [world * max_tokens, K] (None when dispatch got them) -> y [world * max_tokens, H]
-    out_dtype."""
+    """Global-view combine (N = ``comm.num_shards``): expert_y [N * capacity, H], the global handle from
+    ``dispatch``, topk_weights float32 [N * max_tokens, K] (None when dispatch got them) -> y [N * max_tokens, H]
+    out_dtype, sharded ``comm.batch_spec``."""
+
+    _check_global_rows(comm, "expert_y", expert_y, comm.capacity, "capacity")
+    _check_global_rows(comm, "topk_weights", topk_weights, comm.cfg.max_tokens, "max_tokens")
 
     def shard_fn(expert_y, handle, topk_weights):
         handle = dataclasses.replace(handle, num_tokens=handle.num_tokens.reshape(()))

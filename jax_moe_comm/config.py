@@ -44,6 +44,13 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def describe_axes(axes: str | tuple[str, ...]) -> str:
+    """The EP axes for a message: "mesh axis 'ep'" or "mesh axes ('context', 'expert')"."""
+    if isinstance(axes, str):
+        axes = (axes,)
+    return f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {tuple(axes)!r}"
+
+
 @dataclasses.dataclass(frozen=True)
 class MoECommConfig:
     """Static shapes and options of one dispatch/combine.
@@ -122,14 +129,14 @@ class MoECommConfig:
         """Rows of ``expert_x``: ``capacity`` if given, else the worst case."""
         return self.capacity if self.capacity is not None else self.worst_case_rows(world)
 
-    def validate_world(self, world: int, axis_name: str) -> None:
-        """Checks that need the EP world size; ValueError naming the argument otherwise."""
+    def validate_world(self, world: int, axis_name: str | tuple[str, ...]) -> None:
+        """Checks that need the EP world size (the product of the EP axes' sizes); ValueError naming the argument
+        otherwise."""
+        axes = describe_axes(axis_name)
         if world % self.dp_size:
-            raise ValueError(f"dp_size ({self.dp_size}) must divide the size of mesh axis {axis_name!r} ({world})")
+            raise ValueError(f"dp_size ({self.dp_size}) must divide the size of {axes} ({world})")
         if self.num_experts % world:
-            raise ValueError(
-                f"num_experts ({self.num_experts}) must be a multiple of the size of mesh axis {axis_name!r} ({world})"
-            )
+            raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of the size of {axes} ({world})")
         if self.num_dp(world) * self.max_tokens * self.experts_per_token > _MAX_ORIGIN:
             raise ValueError("num_dp * max_tokens * experts_per_token must fit in int32")
 
@@ -171,12 +178,22 @@ class Options:
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Static sizes of one (config, EP world) pair, in the paper's notation, and the options of one MoEComm; shared
-    by both backends."""
+    by both backends.
+
+    ``axis_name``: the EP axes, a tuple of one or more mesh axis names (MoEComm always gives a tuple, even for one
+    axis), as the collectives and ``axis_index`` inside shard_map take them. A rank's EP index is the row-major
+    index over them in this order; the coordinates of the other mesh axes select independent EP groups.
+    """
 
     cfg: MoECommConfig
     world: int
-    axis_name: str
+    axis_name: tuple[str, ...]
     options: Options = Options()
+
+    @property
+    def axis_description(self) -> str:
+        """The EP axes for a message: "mesh axis 'ep'" or "mesh axes ('context', 'expert')"."""
+        return describe_axes(self.axis_name)
 
     @property
     def check_errors(self) -> bool | str:

@@ -1,10 +1,10 @@
 """A ready-made expert-parallel MoE layer: plain functions over a params pytree (no framework).
 
     params = init_moe_params(key, hidden=H, ffn=F, num_experts=E, shared_ffn=Fs)   # global shapes
-    y = moe_layer(comm, shard_params(comm, params), x)          # global view: x [world * T, H] sharded over EP
-    y = moe_layer_shard(comm, params_shard, x)                  # per shard, inside your shard_map over EP
+    y = moe_layer(comm, shard_params(comm, params), x)   # global view: x [num_shards * T, H], comm.batch_spec
+    y = moe_layer_shard(comm, params_shard, x)           # per shard, inside your shard_map over the mesh
 
-One layer, per rank of the EP axis (``world`` ranks, each holding ``L = E / world`` experts):
+One layer, per rank of an EP group (``world`` ranks, each holding ``L = E / world`` experts):
 
     x [T, H] ──route──────────> topk_ids int32 [T, K], topk_weights f32 [T, K]   softmax top-k (fp32)
       ──comm.dispatch_send───> rows in flight
@@ -16,7 +16,8 @@ One layer, per rank of the EP axis (``world`` ranks, each holding ``L = E / worl
 The params pytree (a dict; global shapes, E experts, H hidden, F expert width, Fs shared-expert width):
 
     router  float32 [H, E]     replicated; the router always runs in float32
-    gate    dtype   [E, H, F]  sharded over the EP axis on dim 0 (rank r holds experts r*L .. r*L + L - 1)
+    gate    dtype   [E, H, F]  sharded over the EP axes on dim 0 (rank r holds experts r*L .. r*L + L - 1),
+                               replicated over the other mesh axes (every EP group holds all E experts)
     up      dtype   [E, H, F]  sharded like gate
     down    dtype   [E, F, H]  sharded like gate
     shared  (optional) {"gate": [H, Fs], "up": [H, Fs], "down": [Fs, H]}, replicated
@@ -37,7 +38,7 @@ from jax import Array
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .comm import MoEComm
+from .comm import MoEComm, dim0_spec
 
 __all__ = [
     "EXPERT_KEYS",
@@ -100,22 +101,25 @@ def init_moe_params(key: Array, *, hidden: int, ffn: int, num_experts: int, shar
     return params
 
 
-def param_specs(params: dict, axis_name: str) -> dict:
-    """PartitionSpecs of a params pytree: P(axis_name) for the expert weights (dim 0), P() for the rest."""
+def param_specs(params: dict, axis_name: str | tuple[str, ...]) -> dict:
+    """PartitionSpecs of a params pytree: the expert weights sharded over the EP axes ``axis_name`` (one mesh axis
+    or a tuple, e.g. ``comm.ep_axes``) on dim 0, the rest replicated (P())."""
+    expert_spec = dim0_spec((axis_name,) if isinstance(axis_name, str) else tuple(axis_name))
+
     def spec(name: str, value) -> Any:
-        leaf_spec = P(axis_name) if name in EXPERT_KEYS else P()
+        leaf_spec = expert_spec if name in EXPERT_KEYS else P()
         return jax.tree.map(lambda _: leaf_spec, value)
 
     return {name: spec(name, value) for name, value in params.items()}
 
 
 def shard_params(comm: MoEComm, params: dict) -> dict:
-    """``params`` placed on ``comm.mesh``: expert weights sharded over the EP axis, the rest replicated.
+    """``params`` placed on ``comm.mesh``: expert weights sharded over the EP axes, the rest replicated.
 
     Single-process only (it uses ``jax.device_put``); with several processes build the params inside
     ``jax.jit(init, out_shardings=...)`` with the shardings of ``param_specs`` instead.
     """
-    specs = param_specs(params, comm.axis_name)
+    specs = param_specs(params, comm.ep_axes)
     return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(comm.mesh, s)), params, specs,
                         is_leaf=lambda leaf: isinstance(leaf, P))
 
@@ -192,7 +196,8 @@ def _check_params(comm: MoEComm, params: dict, per_shard: bool) -> None:
 
 
 def moe_layer_shard(comm: MoEComm, params_shard: dict, x: Array, num_tokens: Array | None = None) -> Array:
-    """One MoE layer on one rank, inside the caller's ``shard_map`` over ``comm.axis_name``.
+    """One MoE layer on one rank, inside the caller's ``shard_map`` over the mesh (over ``comm.ep_axes`` at least;
+    the rank exchanges with the ranks of its EP group).
 
     Args:
       comm: the layer's MoEComm (cfg.dtype bfloat16, float16 or float32; fp8 payloads need scales the layer does
@@ -239,30 +244,32 @@ def moe_layer_shard(comm: MoEComm, params_shard: dict, x: Array, num_tokens: Arr
 
 
 def moe_layer(comm: MoEComm, params: dict, x: Array, num_tokens: Array | None = None) -> Array:
-    """Global view of ``moe_layer_shard`` (usable inside ``jit``); builds the ``shard_map`` for you.
+    """Global view of ``moe_layer_shard`` (usable inside ``jit``); builds the ``shard_map`` over the whole mesh.
 
     Args:
       params: global shapes (``gate`` [E, H, F] ...), ideally placed by ``shard_params`` / ``param_specs``
-        (expert weights sharded over ``comm.axis_name`` on dim 0, the rest replicated).
-      x: [world * max_tokens, H], sharded over ``comm.axis_name`` on dim 0 (rank r holds rows r*T .. r*T + T - 1).
-      num_tokens: optional int32 [world], the valid rows of each rank's block.
+        (expert weights sharded over ``comm.ep_axes`` on dim 0, the rest replicated).
+      x: [num_shards * max_tokens, H] (N = ``comm.num_shards``: world times the batch axes' sizes), sharded
+        ``comm.batch_spec`` on dim 0: block ``g * world + r`` (rows of T) is EP rank r of batch coordinate g. An x
+        sharded over fewer axes, or replicated, is sliced locally.
+      num_tokens: optional int32 [N], the valid rows of each block.
 
     Returns:
-      y [world * max_tokens, H] ``cfg.out_dtype``, sharded like x.
+      y [N * max_tokens, H] ``cfg.out_dtype``, sharded ``comm.batch_spec``.
     """
     _check_params(comm, params, per_shard=False)
-    rows = comm.world * comm.cfg.max_tokens
+    rows = comm.num_shards * comm.cfg.max_tokens
     if x.ndim != 2 or x.shape[0] != rows:
-        raise ValueError(f"x must have shape ({rows}, {comm.cfg.hidden}) = (world * max_tokens, hidden), "
+        raise ValueError(f"x must have shape ({rows}, {comm.cfg.hidden}) = (num_shards * max_tokens, hidden), "
                          f"got {tuple(x.shape)}")
-    axis = P(comm.axis_name)
-    specs = param_specs(params, comm.axis_name)
+    batch = comm.batch_spec
+    specs = param_specs(params, comm.ep_axes)
     if num_tokens is None:
         fn = lambda p, x: moe_layer_shard(comm, p, x)  # noqa: E731
-        return jax.shard_map(fn, mesh=comm.mesh, in_specs=(specs, axis), out_specs=axis)(params, x)
+        return jax.shard_map(fn, mesh=comm.mesh, in_specs=(specs, batch), out_specs=batch)(params, x)
     num_tokens = jnp.asarray(num_tokens)
-    if num_tokens.shape != (comm.world,) or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
-        raise ValueError(f"num_tokens must be an integer array of shape ({comm.world},) (one count per rank), "
+    if num_tokens.shape != (comm.num_shards,) or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+        raise ValueError(f"num_tokens must be an integer array of shape ({comm.num_shards},) (one count per rank), "
                          f"got {num_tokens.dtype}{list(num_tokens.shape)}")
     fn = lambda p, x, n: moe_layer_shard(comm, p, x, n.reshape(()))  # noqa: E731
-    return jax.shard_map(fn, mesh=comm.mesh, in_specs=(specs, axis, axis), out_specs=axis)(params, x, num_tokens)
+    return jax.shard_map(fn, mesh=comm.mesh, in_specs=(specs, batch, batch), out_specs=batch)(params, x, num_tokens)

@@ -32,6 +32,16 @@ def ep_mesh(world: int, axis_name: str = "ep") -> Mesh:
     return Mesh(np.array(jax.devices()[:world]), (axis_name,))
 
 
+@functools.cache
+def named_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    """A mesh of the first prod(shape) CPU devices (row-major in device order) with axes `names` of sizes `shape`,
+    e.g. named_mesh((2, 4), ("data", "ep"))."""
+    assert len(jax.devices()) >= NUM_DEVICES, "conftest must force 8 host devices before jax is imported"
+    assert len(shape) == len(names), (shape, names)
+    count = int(np.prod(shape))
+    return Mesh(np.array(jax.devices()[:count]).reshape(shape), names)
+
+
 @pytest.fixture
 def make_mesh():
     return ep_mesh

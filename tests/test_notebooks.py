@@ -19,7 +19,8 @@ TIMEOUT_S = 120  # per cell
 
 def test_the_notebooks_are_found() -> None:
     names = [path.name for path in NOTEBOOKS]
-    for name in ("01_dispatch_combine_walkthrough", "02_train_moe_layer_cpu", "03_running_on_gpus"):
+    for name in ("01_dispatch_combine_walkthrough", "02_train_moe_layer_cpu", "03_running_on_gpus",
+                 "04_two_axis_mesh"):
         assert f"{name}.ipynb" in names, names
 
 
