@@ -11,11 +11,23 @@ Routing errors (an id outside ``[-1, num_experts)``, one expert twice in a token
 rank. Protocol failures (a peer that never arrives, phases out of order) also make the MoEComm refuse every later
 call (NaN results) until ``MoEComm.reset()``. How the error is raised is ``MoEComm(check_errors=...)``: see comm.py.
 The codes match ``ffi/context.h``; the texts below are the only ones, also given to the kernels' check handler.
+
+What the user catches. An error found in a step (the reference backend's check at the end of the failed round trip,
+``check_errors="sync"``, the NVSHMEM backend's check in front of a round trip) stops the step's computation on every
+rank and is raised by JAX where the step's outputs are read, jitted or eager, as JAX's own
+``jax.errors.JaxRuntimeError``: its text ends with our message ``jax_moe_comm: <phase> failed on rank <r>: ...``
+(after a host callback, below the line per frame that JAX writes of the callback's stack). ``MoEComm.check()`` raises
+``MoECommError`` from host code, a subclass of ``jax.errors.JaxRuntimeError`` (and of ``RuntimeError``). So
+``except jax.errors.JaxRuntimeError`` catches both, ``except MoECommError`` what ``check()`` raises. Each error is
+printed once: JAX's per-device log records of our callback's error are dropped, and JAX does not raise the failed
+step again at exit (``_forget_own_failures``).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +63,17 @@ JOINER = "; "
 FATAL_SUFFIX = "; this MoEComm now refuses every call until comm.reset() (collective), or build a new one"
 
 
-class MoECommError(RuntimeError):
+# Our texts inside any error's message (a JaxRuntimeError's carries one after JAX's own prefix).
+_OWN_TEXT = re.compile(re.escape(HEADER).replace(re.escape("{phase}"), r"\S+").replace(re.escape("{rank}"), r"-?\d+"))
+
+
+class MoECommError(jax.errors.JaxRuntimeError):
     """A dispatch/combine round trip failed on the device (bad routing, overflow, a peer timing out, or calls out
-    of protocol order). The message names the phase, the rank that found the error and what to change."""
+    of protocol order). The message names the phase, the rank that found the error and what to change.
+
+    Raised as such by host code (``MoEComm.check()``). From a step's computation the same message reaches the user
+    in JAX's ``jax.errors.JaxRuntimeError``, of which this is a subclass: ``except jax.errors.JaxRuntimeError``
+    catches both."""
 
 
 class _OwnErrorsRaisedOnce(logging.Filter):
@@ -112,17 +132,54 @@ def raise_if_failed(words) -> None:
         raise MoECommError(describe(words))
 
 
-def _raise_from_callback(words, after) -> None:
+def _check_errors(words, after):
+    """The host callback: raises in one frame of ours (JAX writes every frame of the callback's stack into the
+    runtime error's text), else returns 0."""
     del after
-    raise_if_failed(words)
+    words = np.asarray(words).reshape(-1)
+    if int(words[CODE]) != 0:
+        raise MoECommError(describe(words))
+    return np.zeros((), np.int32)
 
 
-def check_now(word: Array, after: Array) -> None:
-    """Raises MoECommError (through the runtime) when the traced status word's code is non-zero: a host callback,
-    which synchronizes with the device. Every rank holds the same round trip status, so every rank raises at the same
+def check_now(word: Array, after: Array) -> Array:
+    """Fails the computation with MoECommError's message when the traced status word's code is non-zero (the user
+    catches JAX's jax.errors.JaxRuntimeError where the outputs are read): a host callback, which synchronizes with
+    the device. Every rank holds the same round trip status, so every rank raises at the same
     callback and none is left waiting in a collective for one that stopped.
 
     `after` is any value computed by the call's last transfer: the callback consumes it, so XLA cannot schedule
-    the raise before that transfer."""
-    # io_callback, not jax.debug.callback (which logs the error once per device); it has no JVP, and needs none.
-    io_callback(_raise_from_callback, None, word, jax.lax.stop_gradient(after.reshape(-1)[:1]))
+    the raise before that transfer. Returns `after`, bit for bit, made to depend on the callback: callers use it in
+    place of `after`, so the error also reaches the outputs where each primitive runs as its own computation (an
+    eager shard_map, where a callback without consumers fails only its runtime token and nothing raises)."""
+    # io_callback, not jax.debug.callback (which logs the error once per device); it has no JVP, and needs none
+    # (its inputs carry no tangent, its int32 result none either).
+    ok = io_callback(_check_errors, jax.ShapeDtypeStruct((), jnp.int32), word,
+                     jax.lax.stop_gradient(after.reshape(-1)[:1]))
+    return jnp.where(ok == 0, after, jnp.zeros_like(after))
+
+
+def _forget_own_failures() -> None:
+    """At exit JAX waits for the computations it dispatched last (``jax.effects_barrier()``, in two atexit hooks of
+    its own, ``jax._src.dispatch.wait_for_tokens`` and ``jax._src.api.clean_up``, registered before this one and so
+    run after it) and re-raises a failure found there once per hook ("Exception ignored in atexit callback", the
+    whole message again), skipping the rest of its shutdown (clearing backends, ``jax.distributed.shutdown()``).
+    Every computation with a host callback leaves such a runtime token, whichever callback flavour. A failure whose
+    text is ours is a step's error, raised where the step's outputs are read: its tokens are dropped here (no public
+    API clears a failed one), every other failure is left to JAX. (A step whose outputs are never read then
+    reports nothing, as JAX does for a failed computation without host callbacks.)"""
+    try:
+        from jax._src import dispatch
+        tables = (dispatch.runtime_tokens.current_tokens, dispatch.runtime_tokens.output_runtime_tokens)
+    except (ImportError, AttributeError):  # a JAX without these: its own behaviour
+        return
+    for table in tables:
+        for key, token in list(table.items()):
+            try:
+                token.block_until_ready()
+            except Exception as exc:  # only our own failures are dropped
+                if _OWN_TEXT.search(str(exc)):
+                    table.pop(key, None)
+
+
+atexit.register(_forget_own_failures)  # after jax's own hooks (imported above): run before them

@@ -59,7 +59,7 @@ def _round16(n: int) -> int:
 def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
                  timeout_s: float = 30.0) -> dict[str, int]:
     """The ``Sizes`` struct of ffi/context.h for one rank."""
-    geo = Geometry(cfg, world, "")
+    geo = Geometry(cfg, world, ())
     payload = cfg.hidden * np.dtype(cfg.dtype).itemsize
     return dict(
         rank=rank, world=world, dp_size=cfg.dp_size, num_dp=geo.num_dp, max_tokens=cfg.max_tokens,
@@ -363,7 +363,7 @@ def _checked(plan: Plan, y: Array, status: Array) -> Array:
     """y, after raising the round trip's error with check_errors="sync" (`status`: the round trip's last kernel's,
     which holds every rank's first failure; with True the next round trips' check raises it)."""
     if plan.geo.check_errors == "sync":
-        errors.check_now(status, after=status)
+        y = errors.check_now(status, after=y)  # y depends on the check: an eager call raises where y is read
     return y
 
 

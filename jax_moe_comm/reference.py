@@ -11,7 +11,8 @@ machine without NVSHMEM. Each phase mirrors its kernel:
 
 and the fused ``dispatch`` and ``combine`` compose them (the kernels fuse each pair into one kernel).
 
-All functions run per shard, inside shard_map over ``axis_name``. Plain JAX AD differentiates them.
+All functions run per shard, inside shard_map over the mesh; their collectives name only the EP axes
+(``geo.axis_name``, a tuple), so each EP group exchanges among its own ranks. Plain JAX AD differentiates them.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array | None) -
         acc = acc + weights[:, k, None] * by_slot[:, k]
     status = round_trip_status(geo, q.status)
     if geo.check_errors:  # True or "sync": every rank raises here, after the last transfer
-        errors.check_now(status, after=acc)
+        acc = errors.check_now(status, after=acc)  # y depends on the check: an eager shard_map raises at its read
     y = jnp.where(live[:, None], acc, 0.0).astype(geo.cfg.out_dtype)
     return jnp.where(status[errors.CODE] != 0, jnp.asarray(jnp.nan, y.dtype), y)
 

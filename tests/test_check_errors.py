@@ -3,6 +3,10 @@
 A round trip that fails anywhere fails everywhere: every rank ends it with the same status, its combined output is
 NaN on every rank, and with the default ``check_errors=True`` every rank raises the same message at the same call,
 so that a step of many MoE layers stops with one error instead of leaving devices waiting in a later collective.
+
+What the user sees and catches: the step raises one ``jax.errors.JaxRuntimeError`` whose text ends with our message,
+printed once (no per-device log records, nothing again at exit); ``MoECommError``, which host code raises, is a
+subclass of it.
 """
 
 from __future__ import annotations
@@ -11,13 +15,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import oracle
 import pytest
-from conftest import ep_mesh
+from conftest import ep_mesh, standalone_cpu_env
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm
@@ -151,3 +156,134 @@ def test_a_bad_id_in_one_layer_of_a_many_layer_step_raises_one_error_quickly(tmp
     assert "dispatch_send failed on rank 3: expert id 16 of token 1 is outside [-1, num_experts)" in done.stdout
     seconds = float(done.stdout.split("RAISED in ")[1].split("s:")[0])
     assert seconds < 10, f"the error took {seconds}s"
+
+
+# What the user catches, and what is printed ------------------------------------------------------------------
+CHILD = Path(__file__).resolve().parent / "errors_child.py"
+CHILD_MESSAGE = ("jax_moe_comm: dispatch_send failed on rank {rank}: expert id 16 of token 1 is outside "
+                 "[-1, num_experts)")
+
+
+def _run_child(view: str, outcome: str, devices: int, layers: int = 3) -> tuple[subprocess.CompletedProcess, str]:
+    """tests/errors_child.py on `devices` CPU devices: (the finished process, its stdout + stderr)."""
+    env = standalone_cpu_env()
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    try:
+        done = subprocess.run([sys.executable, str(CHILD), view, outcome, str(layers)], capture_output=True, text=True,
+                              timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {view} step hung instead of raising")
+    return done, done.stdout + done.stderr
+
+
+def test_a_moe_comm_error_is_a_jax_runtime_error():
+    """One ``except jax.errors.JaxRuntimeError`` catches what a jitted step raises and what host code raises;
+    ``except MoECommError`` (still a RuntimeError) catches the latter."""
+    assert isinstance(jax_moe_comm.MoECommError("x"), jax.errors.JaxRuntimeError)
+    assert issubclass(jax_moe_comm.MoECommError, RuntimeError)
+    assert jax_moe_comm.MoECommError is errors.MoECommError
+    words = np.array([errors.BAD_EXPERT_ID, 0, 2, 1, 99, 0, 0, 0], np.int32)
+    with pytest.raises(jax.errors.JaxRuntimeError) as caught:
+        errors.raise_if_failed(words)
+    assert type(caught.value) is jax_moe_comm.MoECommError
+    assert str(caught.value) == ("jax_moe_comm: dispatch_send failed on rank 2: expert id 99 of token 1 is outside "
+                                 "[-1, num_experts)")
+
+
+@pytest.mark.parametrize(("view", "devices"), [("shard_map", 4), ("global", 8)])
+def test_a_caught_error_of_a_jitted_step_is_printed_once_and_nothing_at_exit(view, devices):
+    """A bad id in layer 1 of a jitted 3-layer step: the process catches one jax.errors.JaxRuntimeError whose last
+    line is our message, and exits normally. The child prints that line once; nothing else prints the message (no
+    per-device log record of the callback's error, no re-raise of the failed step by JAX's atexit hooks)."""
+    done, output = _run_child(view, "caught", devices)
+    assert done.returncode == 0, output[-3000:]
+    assert "CAUGHT jax.errors.JaxRuntimeError is_jax_runtime_error=True" in done.stdout, output[-3000:]
+    message = CHILD_MESSAGE.format(rank=devices - 1)
+    assert f"LAST LINE: MoECommError: {message}" in done.stdout, output[-3000:]
+    assert output.count(message) == 1, output[-6000:]
+    assert "Exception ignored" not in output, output[-6000:]
+    assert "jax.io_callback failed" not in output, output[-6000:]
+    assert done.stdout.rstrip().endswith("EXITING NORMALLY"), output[-3000:]
+
+
+def test_an_uncaught_error_prints_one_traceback_ending_with_our_message():
+    """Left uncaught, the error ends the process with Python's one traceback, whose last line is our message, and
+    nothing after it."""
+    done, output = _run_child("shard_map", "uncaught", 8)
+    assert done.returncode == 1, output[-3000:]
+    message = CHILD_MESSAGE.format(rank=7)
+    assert output.count(message) == 1, output[-6000:]
+    assert output.count("Traceback (most recent call last)") == 2, output[-6000:]  # Python's, and JAX's in its text
+    assert "jax.errors.JaxRuntimeError: " in done.stderr, output[-3000:]
+    assert done.stderr.rstrip().splitlines()[-1] == f"MoECommError: {message}", output[-3000:]
+    assert "Exception ignored" not in output, output[-6000:]
+    assert "NO ERROR" not in done.stdout
+
+
+def test_an_eager_step_raises_at_its_read():
+    """Without jit each primitive of a shard_map runs as its own computation: the check's callback fails only its
+    runtime token unless the output depends on the callback's result (errors.check_now returns it). One layer:
+    eager calls compile every primitive."""
+    done, output = _run_child("eager", "caught", 4, layers=1)
+    assert done.returncode == 0, output[-3000:]
+    assert "CAUGHT jax.errors.JaxRuntimeError is_jax_runtime_error=True" in done.stdout, output[-3000:]
+    assert output.count(CHILD_MESSAGE.format(rank=3)) == 1, output[-6000:]
+    assert "Exception ignored" not in output, output[-6000:]
+
+
+FOREIGN_SCRIPT = textwrap.dedent("""
+    import jax, numpy as np
+    from jax.experimental import io_callback
+    from jax.sharding import Mesh, PartitionSpec as P
+    import jax_moe_comm
+    def fail(x):
+        raise ValueError("a failure that is not ours")
+    def shard(x):  # every device raises, after a collective (as our check does)
+        io_callback(fail, None, jax.lax.all_gather(x, "ep"))
+        return x
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    try:
+        jax.block_until_ready(jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+            np.arange(4.0)))
+    except jax.errors.JaxRuntimeError:
+        print("CAUGHT")
+""")
+
+
+def test_other_failures_are_still_reported_by_jax_at_exit(tmp_path):
+    """The exit hook drops only failed computations whose error text is ours: another callback's failure is left
+    to JAX, which reports it at exit as before."""
+    script = tmp_path / "foreign.py"
+    script.write_text(FOREIGN_SCRIPT)
+    env = dict(standalone_cpu_env(), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert "CAUGHT" in done.stdout, done.stderr[-3000:]
+    assert "Exception ignored in atexit callback" in done.stderr, done.stderr[-3000:]
+    assert "ValueError: a failure that is not ours" in done.stderr
+
+
+def test_our_texts_are_recognized_in_any_runtime_error():
+    """Every text describe() makes (any code, any phase, under JAX's prefixes) is recognized as ours; others are
+    not."""
+    for code in (*errors.PARTS, errors.TIMEOUT | errors.REFUSED):
+        for phase in range(len(errors.PHASES)):
+            text = errors.describe(np.array([code, phase, 5, 3, 1, 0, 0, 0], np.int32))
+            for wrapped in (text, f"INTERNAL: CpuCallback error calling callback: ...\nMoECommError: {text}",
+                            f"ABORTED: {text}"):
+                assert errors._OWN_TEXT.search(wrapped), wrapped
+    assert not errors._OWN_TEXT.search("INTERNAL: jax_moe_comm combine: CUDA launch failed: ...")
+    assert not errors._OWN_TEXT.search("ValueError: a failure that is not ours")
+
+
+def test_check_now_passes_its_value_through_bit_for_bit_and_differentiably(make_mesh):
+    """With no error, check_now returns `after` unchanged (signed zeros, NaN, inf) and is the identity to AD."""
+    mesh = make_mesh(WORLD)
+    x = np.array([[-0.0, 0.0, np.nan, np.inf, -np.inf, 1.5, -2.25, 3e-39]] * WORLD, np.float32)
+
+    def shard(v):
+        return errors.check_now(jnp.zeros((errors.STATUS_WORDS,), jnp.int32), after=v)
+
+    fn = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    np.testing.assert_array_equal(np.asarray(fn(x)).view(np.int32), x.view(np.int32))
+    grad = jax.grad(lambda v: (fn(v) * 3.0).sum())(np.ones_like(x))
+    np.testing.assert_array_equal(np.asarray(grad), np.full_like(x, 3.0))

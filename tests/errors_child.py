@@ -1,0 +1,70 @@
+"""Child process for tests/test_check_errors.py: a bad expert id in a multi-layer step, on CPU devices.
+
+    python tests/errors_child.py VIEW OUTCOME [LAYERS]
+
+VIEW: "shard_map" (per-shard calls inside the user's shard_map, under jax.jit), "global" (jax_moe_comm.dispatch and
+combine under jax.jit) or "eager" (jax_moe_comm.dispatch and combine, no jit). OUTCOME: "caught" (the step in a
+``try``; prints what was caught and exits) or "uncaught" (the error ends the process). The device count
+comes from the parent's XLA_FLAGS. Layer 1 of LAYERS (default 3; layer 0 when there is one) gets the id
+``num_experts`` on the last rank's token 1.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_moe_comm as jmc
+
+E, K, H, T = 16, 2, 8, 4
+
+
+def main(view: str, outcome: str, layers: int) -> None:
+    world = len(jax.devices())
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+    cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    comms = [jmc.MoEComm(cfg, mesh, backend="reference") for _ in range(layers)]
+
+    def per_shard(x, ids):
+        w = jnp.ones(ids.shape[1:], jnp.float32)
+        for layer, comm in enumerate(comms):
+            d = comm.dispatch(x, ids[layer])
+            x = x + comm.combine(d.expert_x * 0.5, d.handle, w)
+        return x
+
+    def global_view(x, ids):
+        w = jnp.ones(ids.shape[1:], jnp.float32)
+        for layer, comm in enumerate(comms):
+            d = jmc.dispatch(comm, x, ids[layer])
+            x = x + jmc.combine(comm, d.expert_x * 0.5, d.handle, w)
+        return x
+
+    if view == "shard_map":
+        step = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("ep"), P(None, "ep")), out_specs=P("ep")))
+    else:
+        step = jax.jit(global_view) if view == "global" else global_view
+    bad = np.tile(np.array([[0, 9]], np.int32), (layers, world * T, 1))
+    bad[min(1, layers - 1), (world - 1) * T + 1, 0] = E
+    x = np.ones((world * T, H), np.float32)
+
+    if outcome == "uncaught":
+        jax.block_until_ready(step(x, bad))
+        print("NO ERROR")
+        return
+    try:
+        jax.block_until_ready(step(x, bad))
+    except jax.errors.JaxRuntimeError as exc:
+        print(f"CAUGHT {type(exc).__module__}.{type(exc).__qualname__} "
+              f"is_jax_runtime_error={isinstance(exc, jax.errors.JaxRuntimeError)}")
+        print("LAST LINE:", str(exc).splitlines()[-1])
+    else:
+        print("NO ERROR")
+    # The failed step stays the last one: a later step would replace the failed runtime tokens JAX waits for at exit.
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 3)
+    print("EXITING NORMALLY")
