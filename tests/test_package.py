@@ -118,3 +118,24 @@ def test_the_project_cites_no_document_outside_it():
     outside = re.compile(r"\.\./shared|\bDESIGN(\.md)?\b|DESIGN §")
     texts = DOCS + sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "ffi").glob("*.*"))
     assert [str(p.relative_to(ROOT)) for p in texts if outside.search(p.read_text())] == []
+
+
+def test_the_readme_use_example_runs_as_written(tmp_path):
+    """The README's Use example, copied out of it, runs in a fresh process with no setup of its own (it asks for its
+    8 CPU devices itself) and prints the MoEComm and the layer's output."""
+    import os
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text()
+    use = readme[readme.index("## Use\n"):]
+    code = use[use.index("```python\n") + len("```python\n"):use.index("\n```", use.index("```python\n"))]
+    script = tmp_path / "use.py"
+    script.write_text(code + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MoEComm(world=8, " in done.stdout and "backend='reference'" in done.stdout
+    assert "(256, 64) bfloat16" in done.stdout
