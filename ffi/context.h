@@ -114,7 +114,6 @@ struct HostWords {
 // Host-only state of a context (the FFI check handler's; never read by a kernel).
 struct HostState {
   uint32_t launched = 0;   // round trips this process has launched (checked) since creation or reset
-  uint32_t settled = 0;    // of those, the ones launched before the current execution (finished on the device)
   int64_t execution = -1;  // the XLA execution (run id) of the last check
 };
 

@@ -161,40 +161,42 @@ ffi::Error Probe(cudaStream_t stream,
 #endif
 
 // The deferred error check, in front of each round trip's dispatch: XLA runs it on the host at every execution (it is
-// never recorded into a command buffer) and it does not synchronize the stream. It depends on no value of the
-// program, so XLA may run every check of an execution before the first command buffer, with no split between the
-// round trips. The first check of an execution waits until the device has finished every round trip launched by
-// earlier executions, then each check raises, as this execution's error, a failure the device told the host of in
-// one of those round trips. A failure of this execution is raised by the next one (its outputs are NaN meanwhile).
-// Every rank therefore raises at the same call, before any of its round trips, and no rank is left waiting in a
-// collective for one that stopped. A routing error is cleared once raised (the next round trip may succeed); a
-// protocol failure is raised again by every later check until comm.reset().
+// never recorded into a command buffer) and it does not synchronize the stream. It raises, as this call's error, the
+// first failure the device has told the host of (HostWords) once that failure is settled: a failure of an earlier
+// execution (the first check of an execution waits until the device has finished every round trip launched before
+// it), or of this execution `lag` or more round trips ago (the host waits until the device has finished the round
+// trip `lag` before this one, so it runs at most `lag` round trips ahead of it). Every rank therefore raises at the
+// same call of the same program, and no rank is left waiting in a collective for one that stopped. A routing error
+// is cleared once raised (the next round trip may succeed); a protocol failure is raised again by every later
+// check until comm.reset().
 ffi::Error Check(ffi::RunId run,
-                 ffi::AnyBuffer /*after*/,                   // [0]: no value (the check orders after nothing)
+                 ffi::AnyBuffer /*after*/,                   // orders the check after the previous round trip
                  ffi::Result<ffi::Buffer<ffi::S32>> /*token*/,  // [1]: the dispatch's `after`
-                 int64_t context) {
+                 int64_t context, int64_t lag) {
   Context* found = find_context(context);
   if (found == nullptr) return ffi::Error::InvalidArgument("jax_moe_comm: this MoEComm was closed");
   Context& ctx = *found;
   HostState& host = *ctx.host_state;
-  if (run.run_id != host.execution) {  // the first check of this execution
-    host.execution = run.run_id;
-    host.settled = host.launched;
-    const volatile uint32_t* done = &ctx.host_view->done;
+  const bool first_of_execution = run.run_id != host.execution;
+  host.execution = run.run_id;
+  const uint32_t launched = ++host.launched;
+  const uint32_t behind = first_of_execution ? 1 : static_cast<uint32_t>(lag);
+  const uint32_t settled = launched > behind ? launched - behind : 0;
+  const volatile uint32_t* done = &ctx.host_view->done;
+  if (*done < settled) {  // wait for the device, which is behind the host
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(2 * ctx.s.timeout_ns);
-    while (*done < host.settled) {  // wait for the device, which is behind the host
-      if (std::chrono::steady_clock::now() > deadline) {  // a round trip counted here never ran: count from here
-        host.launched = host.settled = *done;
+    while (*done < settled) {
+      if (std::chrono::steady_clock::now() > deadline) {  // a round trip counted here never ran: count again from here
+        host.launched = *done + behind;
         break;
       }
       std::this_thread::yield();
     }
   }
-  ++host.launched;
   const std::vector<int32_t> failure = host_failure(&ctx);
-  if (failure[kCode] == 0 || static_cast<uint32_t>(failure[kEpochWord]) > host.settled) return ffi::Error::Success();
+  if (failure[kCode] == 0 || static_cast<uint32_t>(failure[kEpochWord]) > settled) return ffi::Error::Success();
   if (!(failure[kCode] & kFatalCodes)) clear_host_failure(&ctx);
-  host.launched = host.settled;  // the execution ends here: none of its round trips runs
+  --host.launched;  // this round trip does not run
   return ffi::Error(ffi::ErrorCode::kAborted, describe_failure(failure));
 }
 
@@ -206,7 +208,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_check, jmc::Check,
                                   .Ctx<ffi::RunId>()
                                   .Arg<ffi::AnyBuffer>()          // after
                                   .Ret<ffi::Buffer<ffi::S32>>()   // token
-                                  .Attr<int64_t>("context"));
+                                  .Attr<int64_t>("context")
+                                  .Attr<int64_t>("lag"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
                               ffi::Ffi::Bind()

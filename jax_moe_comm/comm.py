@@ -115,11 +115,11 @@ class MoEComm:
         rank, and after a protocol failure every later call of this MoEComm returns NaN at once until ``reset()``.
 
         - True (default): as a ``jax.errors.JaxRuntimeError`` carrying MoECommError's message, on every rank at
-          the same call, without a host synchronization per round trip. On the NVSHMEM backend a host-side check
-          before the round trips of a jitted call raises a failure of an earlier call (the call's first check waits
-          until the GPU has finished the earlier calls' round trips); a failure inside a call is raised by the next
-          call, its outputs NaN meanwhile. On the reference backend every rank raises at the end of the failed round
-          trip (a host callback). ``check()`` raises one reported since.
+          the same call, without a host synchronization per round trip. On the NVSHMEM backend a host-side check in
+          front of each round trip raises a failure of the previous jitted call (its first round trip waits until
+          the GPU has finished that call's round trips) or of this call from the second round trip after the failed
+          one (the host runs at most two round trips ahead of the GPU). On the reference backend every rank raises
+          at the end of the failed round trip (a host callback). ``check()`` raises one reported since.
         - "sync": at the end of the failed round trip on every backend (a host callback, which synchronizes the
           stream every round trip: for debugging).
         - False: nothing is raised; dispatch's own errors stay readable in ``handle.status``, and ``check()``

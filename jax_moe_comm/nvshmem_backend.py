@@ -22,6 +22,7 @@ from .config import Geometry, MoECommConfig, Options
 from .types import CombineHandle, Dispatched, pytree_dataclass
 
 MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
+CHECK_LAG = 2  # round trips between a failure and the check that raises it (ffi/handlers.cu, Check)
 _registered = False
 
 
@@ -263,14 +264,12 @@ def _after_arg(plan: Plan, x: Array, after: Array | None) -> Array:
     operands, and keeps every operand (the kernel never reads it). An optimization barrier would not do: XLA removes
     barriers early, and with them any tie between values that no data joins (design.md, "FFI and ordering").
 
-    With check_errors=True it is the token of the deferred check (ffi/handlers.cu, Check), which raises a failure
-    of an earlier execution on the host without synchronizing the stream. Without `after` the check depends on no
-    value of the program: XLA may run it before the execution's first command buffer rather than split the command
-    buffer in front of this round trip (a graph launch each); with `after` it runs after `after`."""
-    del x  # the dispatch's own operand: it orders the dispatch after x's producers
+    With check_errors=True it is the token of the deferred check (ffi/handlers.cu, Check), which itself runs after
+    `after` (or after x is computed: after the previous round trip): XLA runs the check on the host right before it
+    launches this round trip, and it raises a failure of an earlier round trip without synchronizing."""
     if plan.geo.check_errors is True:
         check = jax.ffi.ffi_call("jmc_check", jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)
-        return check(jnp.zeros((0,), jnp.int32) if after is None else after, context=np.int64(plan.ctx))
+        return check(x if after is None else after, context=np.int64(plan.ctx), lag=np.int64(CHECK_LAG))
     return jnp.zeros((0,), jnp.int32) if after is None else after
 
 
