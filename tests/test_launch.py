@@ -207,11 +207,25 @@ def _run_pair(argv_of, env_of) -> list[str]:
     return outs
 
 
+def _job_with_a_free_port() -> int:
+    """A job id whose coordinator port is free now. JAX derives the port from the job id (SLURM's, Open MPI's / 4096)
+    as job % 4096 in the ephemeral range from 61440, where the system also picks ports for outgoing connections."""
+    for _ in range(100):
+        job = random.randrange(1, 2**20)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", job % 2**12 + 65536 - 2**12))
+            except OSError:
+                continue
+        return job
+    raise RuntimeError("no free port in 61440..65535")
+
+
 @pytest.mark.parametrize("cluster", ["slurm", "ompi"])
 def test_initialize_distributed_joins_a_cluster_jax_detects(cluster: str) -> None:
     """Under srun or mpirun (their environment as SLURM and Open MPI set it, on one host), each process gets its own
     id from the cluster and the job is one jax.distributed job."""
-    job = random.randrange(1, 2**20)  # the coordinator's port derives from the job id
+    job = _job_with_a_free_port()
 
     def env_of(i: int) -> dict[str, str]:
         if cluster == "slurm":
