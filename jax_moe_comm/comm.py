@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import autodiff, nvshmem_backend, reference, runtime
@@ -385,13 +385,26 @@ def _lift_scalars(tree):
     return jax.tree.map(lambda a: a.reshape(1) if a.ndim == 0 else a, tree)
 
 
+def placed(mesh: Mesh, tree, specs):
+    """``tree`` sharded as ``specs`` (a PartitionSpec or a matching tree of them) for a shard_map over ``mesh``. On a
+    mesh with Explicit axes (``jax.make_mesh``'s default) shard_map takes only arrays already sharded as its
+    in_specs, so they are resharded here; from fewer axes (``P("data")``, replicated) to more that is a local slice.
+    On Auto axes shard_map does the same by itself."""
+    if not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return tree
+    if isinstance(specs, P):
+        return jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, specs)), tree)
+    return jax.tree.map(lambda a, s: jax.sharding.reshard(a, NamedSharding(mesh, s)), tree, specs,
+                        is_leaf=lambda leaf: leaf is None)
+
+
 def _per_shard(comm: MoEComm, fn, *args):
     """fn on every shard of the whole mesh: dim 0 of every argument and result split as ``comm.batch_spec``.
     Mapping every mesh axis (not only the EP axes) is what lets XLA slice an input sharded over fewer axes locally
     instead of resharding it, and keeps the EP groups of different batch coordinates apart."""
     spec = comm.batch_spec
     mapped = jax.shard_map(lambda *a: _lift_scalars(fn(*a)), mesh=comm.mesh, in_specs=spec, out_specs=spec)
-    return mapped(*args)
+    return mapped(*placed(comm.mesh, args, spec))
 
 
 def _check_global_rows(comm: MoEComm, name: str, value: Any, rows_per_shard: int, what: str) -> None:

@@ -38,7 +38,7 @@ from jax import Array
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .comm import MoEComm, dim0_spec
+from .comm import MoEComm, dim0_spec, placed
 
 __all__ = [
     "EXPERT_KEYS",
@@ -266,10 +266,12 @@ def moe_layer(comm: MoEComm, params: dict, x: Array, num_tokens: Array | None = 
     specs = param_specs(params, comm.ep_axes)
     if num_tokens is None:
         fn = lambda p, x: moe_layer_shard(comm, p, x)  # noqa: E731
-        return jax.shard_map(fn, mesh=comm.mesh, in_specs=(specs, batch), out_specs=batch)(params, x)
+        return jax.shard_map(fn, mesh=comm.mesh, in_specs=(specs, batch), out_specs=batch)(
+            *placed(comm.mesh, (params, x), (specs, batch)))
     num_tokens = jnp.asarray(num_tokens)
     if num_tokens.shape != (comm.num_shards,) or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
         raise ValueError(f"num_tokens must be an integer array of shape ({comm.num_shards},) (one count per rank), "
                          f"got {num_tokens.dtype}{list(num_tokens.shape)}")
     fn = lambda p, x, n: moe_layer_shard(comm, p, x, n.reshape(()))  # noqa: E731
-    return jax.shard_map(fn, mesh=comm.mesh, in_specs=(specs, batch, batch), out_specs=batch)(params, x, num_tokens)
+    return jax.shard_map(fn, mesh=comm.mesh, in_specs=(specs, batch, batch), out_specs=batch)(
+        *placed(comm.mesh, (params, x, num_tokens), (specs, batch, batch)))

@@ -373,6 +373,32 @@ def test_moe_layer_slices_inputs_locally_instead_of_exchanging_them(case):
     assert found[1] == found[0] and found[2] == found[0], found
 
 
+def test_a_mesh_with_explicit_axes_takes_every_batch_sharding():
+    """``jax.make_mesh`` gives Explicit axes, where shard_map takes only arrays sharded as its in_specs: the global
+    view and the layer reshard a batch sharded P("data") or replicated themselves, with the same collectives and the
+    same results as from one sharded ``batch_spec``."""
+    mesh = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    comm = MoEComm(small_config(dtype=jnp.float32, out_dtype=jnp.float32), mesh, "ep")
+    rows = comm.num_shards * comm.cfg.max_tokens
+    params = init_moe_params(jax.random.key(0), hidden=comm.cfg.hidden, ffn=8, num_experts=comm.cfg.num_experts)
+    specs = param_specs(params, comm.ep_axes)
+    placed_params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs,
+                                 is_leaf=lambda leaf: isinstance(leaf, P))
+    x = np.asarray(jax.random.normal(jax.random.key(1), (rows, comm.cfg.hidden)))
+    layer = jax.jit(functools.partial(moe_layer, comm))
+    ids = np.argsort(np.random.default_rng(0).random((rows, comm.cfg.num_experts)), 1)[:, :comm.cfg.experts_per_token]
+    outs, ops = [], []
+    for spec in (comm.batch_spec, P("data"), P()):
+        sharded = jax.device_put(x, NamedSharding(mesh, spec))
+        outs.append(np.asarray(layer(placed_params, sharded)))
+        ops.append(collectives_of(round_trip(comm), abstract(comm, spec, (rows, comm.cfg.hidden), jnp.float32),
+                                  abstract(comm, spec, ids.shape, jnp.int32),
+                                  abstract(comm, spec, ids.shape, jnp.float32)))
+    assert np.array_equal(outs[1], outs[0]) and np.array_equal(outs[2], outs[0])
+    assert ops[1] == ops[0] and ops[2] == ops[0], ops
+    assert ops[0][0]["all-to-all"] >= 1
+
+
 # The layer on multi-axis meshes ------------------------------------------------------------------------------
 LAYER_CASES = [DATA2_EP4, COMPOUND, EP_FIRST]
 
