@@ -149,7 +149,7 @@ def create_plan(geo: Geometry, mesh) -> Plan:
     if mesh.devices.size != rt.world:
         raise ValueError(f"the mesh has {mesh.devices.size} devices but NVSHMEM has {rt.world} processes; the mesh "
                          "must hold every process's GPU (one GPU per process)")
-    rank, devices = ep_group(mesh, _ep_axes(geo.axis_name), rt.device)
+    rank, devices = ep_group(mesh, geo.axis_name, rt.device)
     pes = [int(d.process_index) for d in devices]
     if len(set(pes)) != len(pes):
         raise ValueError("the NVSHMEM backend needs one GPU per process: an EP group holds two devices of process "
@@ -157,10 +157,6 @@ def create_plan(geo: Geometry, mesh) -> Plan:
     _register_targets()
     ctx = create_context(cfg, geo.world, rank, geo.options, pes)
     return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)))
-
-
-def _ep_axes(axis_name) -> tuple[str, ...]:
-    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, pe_of_rank: list[int] | None = None
@@ -248,7 +244,7 @@ def _call(name: str, results, plan: Plan, *args, **attrs):
     args = jax.lax.optimization_barrier(args)
     outs = jax.ffi.ffi_call(f"jmc_{name}", results, has_side_effect=True)(*args, context=np.int64(plan.ctx), **attrs)
     outs = jax.lax.optimization_barrier(outs)
-    return _varying(outs, args, _ep_axes(plan.geo.axis_name))
+    return _varying(outs, args, plan.geo.axis_name)
 
 
 def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
