@@ -191,11 +191,6 @@ class Geometry:
     options: Options = Options()
 
     @property
-    def axis_description(self) -> str:
-        """The EP axes for a message: "mesh axis 'ep'" or "mesh axes ('context', 'expert')"."""
-        return describe_axes(self.axis_name)
-
-    @property
     def check_errors(self) -> bool | str:
         return self.options.check_errors
 
