@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -194,17 +196,38 @@ def _free_port() -> int:
 
 def _run_pair(argv_of, env_of) -> list[str]:
     """Two worker processes started as a cluster starts them (no launcher), each with its own environment; their
-    stdout lines, rank 0's first."""
+    stdout lines, rank 0's first. Output goes to files, not pipes: a worker blocked on a full pipe that nobody reads
+    would leave the other waiting for it in the job's collectives."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
-    procs = [subprocess.Popen([sys.executable, CHILD, *argv_of(i)], env={**base, "JAX_PLATFORMS": "cpu",
-                              "PYTHONPATH": str(REPO), **env_of(i)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(out)
+    with tempfile.TemporaryDirectory() as logs:
+        files = [(open(f"{logs}/{i}.out", "w+"), open(f"{logs}/{i}.err", "w+")) for i in range(2)]
+        procs = [subprocess.Popen([sys.executable, CHILD, *argv_of(i)], env={**base, "JAX_PLATFORMS": "cpu",
+                                  "PYTHONPATH": str(REPO), **env_of(i)}, stdout=out, stderr=err, text=True)
+                 for i, (out, err) in enumerate(files)]
+        try:
+            deadline = time.time() + 120
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.wait()
+        outs = []
+        for p, (out, err) in zip(procs, files, strict=True):
+            out.seek(0)
+            err.seek(0)
+            text, errors = out.read(), err.read()
+            out.close()
+            err.close()
+            assert p.returncode == 0, f"exit {p.returncode}: {errors[-3000:]}"
+            outs.append(text)
     return outs
+
+
+def _ok_lines(out: str) -> list[str]:
+    """The workers' "OK ..." reports. CPU jobs log through Gloo's C++ logger, which writes to the
+    same stdout unsynchronized with Python's buffer, so a report may share its line with a log record."""
+    return re.findall(r"OK process \d+/\d+ gathered=\[[\d, ]*\]", out)
 
 
 def _job_with_a_free_port() -> int:
@@ -235,7 +258,7 @@ def test_initialize_distributed_joins_a_cluster_jax_detects(cluster: str) -> Non
                 "OMPI_COMM_WORLD_RANK": str(i), "OMPI_COMM_WORLD_LOCAL_RANK": str(i)}
 
     outs = _run_pair(lambda i: ["allgather", "2"], env_of)
-    assert [line for out in outs for line in out.splitlines() if line.startswith("OK")] == [
+    assert [ok for out in outs for ok in _ok_lines(out)] == [
         "OK process 0/2 gathered=[0, 1]", "OK process 1/2 gathered=[0, 1]"]
 
 
@@ -243,5 +266,5 @@ def test_initialize_distributed_keeps_the_users_own_jax_distributed() -> None:
     """After the user's own jax.distributed.initialize(), every process gets JAX's process index, not (0, 1)."""
     address = f"127.0.0.1:{_free_port()}"
     outs = _run_pair(lambda i: ["own_init", "2", address, str(i)], lambda i: {})
-    assert [line for out in outs for line in out.splitlines() if line.startswith("OK")] == [
+    assert [ok for out in outs for ok in _ok_lines(out)] == [
         "OK process 0/2 gathered=[0, 1]", "OK process 1/2 gathered=[0, 1]"]
