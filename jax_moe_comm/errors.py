@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-from jax.experimental import io_callback
 
 BAD_EXPERT_ID = 1        # an id outside [-1, num_experts)
 REPEATED_EXPERT_ID = 2   # one token names the same expert in two top-k slots
@@ -52,11 +51,11 @@ PARTS = {
     REPEATED_EXPERT_ID: "token {a} names expert {b} in two top-k slots (ids must be distinct; the later slot is "
                         "dropped)",
     CAPACITY_OVERFLOW: "{a} rows arrived but capacity is {b} ({over} too many): raise MoECommConfig.capacity to at "
-                       "least {a}",
+                       "least {a}, or drop what does not fit (overflow=\"drop\")",
     TIMEOUT: "timed out waiting for rank {a} (MoEComm timeout_s: did every rank make the call?)",
     OUT_OF_ORDER: "it ran while this MoEComm expected {expected}: a MoEComm carries one round trip at a time "
-                  "(dispatch_send, dispatch_recv, combine_send, combine_recv); use one MoEComm per round trip that "
-                  "overlaps another",
+                  "(dispatch_send, dispatch_recv, combine_send, combine_recv); round trips that no data orders "
+                  "(two models side by side) need a MoEComm each",
     REFUSED: "(refused: the MoEComm had failed before this call)",
 }
 JOINER = "; "
@@ -152,10 +151,11 @@ def check_now(word: Array, after: Array) -> Array:
     the raise before that transfer. Returns `after`, bit for bit, made to depend on the callback: callers use it in
     place of `after`, so the error also reaches the outputs where each primitive runs as its own computation (an
     eager shard_map, where a callback without consumers fails only its runtime token and nothing raises)."""
-    # io_callback, not jax.debug.callback (which logs the error once per device); it has no JVP, and needs none
-    # (its inputs carry no tangent, its int32 result none either).
-    ok = io_callback(_check_errors, jax.ShapeDtypeStruct((), jnp.int32), word,
-                     jax.lax.stop_gradient(after.reshape(-1)[:1]))
+    # pure_callback, not jax.debug.callback (which logs the error once per device) nor io_callback (whose effect
+    # jax.checkpoint refuses): XLA keeps it because `after` depends on its result, and a recomputed one raises the
+    # same. No JVP, and none needed (its inputs carry no tangent, its int32 result none either).
+    ok = jax.pure_callback(_check_errors, jax.ShapeDtypeStruct((), jnp.int32), word,
+                           jax.lax.stop_gradient(after.reshape(-1)[:1]))
     return jnp.where(ok == 0, after, jnp.zeros_like(after))
 
 

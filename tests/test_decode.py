@@ -68,14 +68,13 @@ def test_single_cpu_device_world_1_bfloat16() -> None:
 def small():
     """(args, EP decoder, dense decoder, prompts) of a small config on conftest's 8 devices, compiled once."""
     args = decode.parse_args([*SMALL, "--batch", "3", "32"])
-    mesh, comms, batches = decode.start(args)
+    mesh, comm, batches = decode.start(args)
     weights = decode.init_model(args)
-    ep, dense = decode.EPDecoder(comms, mesh, args, weights), decode.DenseDecoder(args, weights)
+    ep, dense = decode.EPDecoder(comm, mesh, args, weights), decode.DenseDecoder(args, weights)
     prompts = np.random.default_rng(0).integers(0, args.vocab, (max(batches), args.prompt), np.int32)
     yield args, ep, dense, prompts
     ep.close()
-    for comm in comms:
-        comm.close()
+    comm.close()
 
 
 def test_in_process_tokens_equal_dense_and_the_counter_sees_a_recompile(small) -> None:
@@ -114,8 +113,8 @@ def test_main_exits_1_and_prints_fail_on_a_mismatch(monkeypatch, capsys) -> None
                              tokens_per_s=1.0, ms_per_step=1.0)
     closed = []
     comm = type("Comm", (), {"close": lambda self: closed.append(True)})()
-    monkeypatch.setattr(decode, "start", lambda args: (None, [comm], [2]))
-    monkeypatch.setattr(decode, "run", lambda args, mesh, comms, batches, say: ([bad], 1))
+    monkeypatch.setattr(decode, "start", lambda args: (None, comm, [2]))
+    monkeypatch.setattr(decode, "run", lambda args, mesh, comm, batches, say: ([bad], 1))
     assert decode.main([]) == 1
     assert capsys.readouterr().out.splitlines()[-1].startswith("FAIL") and closed == [True]
 

@@ -176,7 +176,7 @@ def _composition_grads(composition: str, custom_vjp: bool):
     mesh = ep_mesh(WORLD)
     comms = [MoEComm(cfg, mesh, backend="reference", custom_vjp=custom_vjp) for _ in range(2)]
     def per_shard(x, ids, w, expert_w):  # expert_w [LAYERS, L, H, H] (this rank's experts of every layer)
-        if composition == "remat":  # the experts under jax.checkpoint (see MoEComm's docstring for whole layers)
+        if composition == "remat":  # the experts under jax.checkpoint (whole layers: tests/test_one_buffer_set.py)
             for i in range(LAYERS):
                 x = _layer(comms[0], x, ids[i], w[i], expert_w[i], remat=True)
         elif composition == "scan":

@@ -61,7 +61,7 @@ def test_autodiff_error_of_a_custom_call_is_explained() -> None:
     pytest.importorskip("optax")
     from jax_moe_comm.examples import train
 
-    trainer = train.Trainer(train.parse_args([]), ep_mesh(8), student=[], teacher=[])
+    trainer = train.Trainer(train.parse_args([]), ep_mesh(8), student=None, teacher=None)
 
     def step_through_ffi(params, opt_state, teacher_params, step):
         call = jax.ffi.ffi_call("jmc_not_registered", jax.ShapeDtypeStruct((), jnp.float32), has_side_effect=True)

@@ -7,8 +7,9 @@
 The model: token embedding, ``--layers`` blocks of ``x + Attn(RMSNorm(x))`` (causal, ``--heads`` heads, rotary
 positions, a KV cache) then ``x + MoE(RMSNorm(x))``, a final RMSNorm and a projection to the vocabulary. The MoE is
 ``jax_moe_comm.layers.moe_layer_shard`` (router -> dispatch -> SwiGLU experts -> combine) with its experts sharded
-over the mesh axis "ep", one MoEComm per layer. The whole decode step runs per rank inside one ``shard_map``: each
-rank attends over its own sequences and its own KV cache; only the MoE layers exchange rows.
+over the mesh axis "ep", every layer on one MoEComm (layer i + 1 dispatches what layer i's combine returned, so the
+round trips follow each other). The whole decode step runs per rank inside one ``shard_map``: each rank attends
+over its own sequences and its own KV cache; only the MoE layers exchange rows.
 
 What it shows:
 
@@ -175,10 +176,9 @@ def dense_moe(params: dict, x: Array, k: int, dtype, out_dtype) -> Array:
 class EPDecoder:
     """The expert-parallel model: one jitted shard_map step over the mesh, ``max_tokens`` rows per rank."""
 
-    def __init__(self, comms: Sequence[jax_moe_comm.MoEComm], mesh: Mesh, args: argparse.Namespace,
-                 weights: dict) -> None:
-        self.mesh, self.max_tokens = mesh, comms[0].cfg.max_tokens
-        self.rows = comms[0].world * self.max_tokens
+    def __init__(self, comm: jax_moe_comm.MoEComm, mesh: Mesh, args: argparse.Namespace, weights: dict) -> None:
+        self.mesh, self.max_tokens = mesh, comm.cfg.max_tokens
+        self.rows = comm.world * self.max_tokens
         self.traces = self.compiles = 0  # of the decode step; see step()
         self._stepping = False
         specs = model_specs(weights)
@@ -197,8 +197,8 @@ class EPDecoder:
             self.traces += 1  # Python runs this body only when jit traces the step
             n = num_tokens.reshape(())  # this rank's live sequences: a traced int32, not a shape
 
-            def moe(i: int, p: dict, x: Array) -> Array:
-                return moe_layer_shard(comms[i], p, x, n)  # rows >= n are padding; they come back zero
+            def moe(i: int, p: dict, x: Array) -> Array:  # every layer's round trip on the one MoEComm
+                return moe_layer_shard(comm, p, x, n)  # rows >= n are padding; they come back zero
 
             return decoder_step(params, caches, tokens, pos, moe)
 
@@ -393,41 +393,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def start(args: argparse.Namespace) -> tuple[Mesh, list[jax_moe_comm.MoEComm], list[int]]:
-    """Joins the launcher's job (if any), builds the mesh, one MoEComm per layer and the batch sizes. Raises
+def start(args: argparse.Namespace) -> tuple[Mesh, jax_moe_comm.MoEComm, list[int]]:
+    """Joins the launcher's job (if any), builds the mesh, the model's MoEComm and the batch sizes. Raises
     RuntimeError / ValueError for what the backend or the mesh cannot take."""
     dtype = DTYPES[args.dtype]
     cfg = jax_moe_comm.MoECommConfig(num_experts=args.experts, experts_per_token=args.top_k, hidden=args.hidden,
                                      max_tokens=args.max_tokens, dtype=dtype, out_dtype=dtype)
-    start_runtime(args.backend, cfg, num_comms=args.layers)
+    start_runtime(args.backend, cfg, num_comms=1)
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     world = int(mesh.shape[AXIS])
     batches = args.batch or [world * args.max_tokens, world // 2 + 1]
     if max(batches) > world * args.max_tokens:
         raise ValueError(f"--batch {max(batches)} is more than world * max_tokens = {world} * {args.max_tokens}; "
                          "raise --max-tokens")
-    # One MoEComm per layer: on the NVSHMEM backend a MoEComm carries one round trip at a time.
-    comms: list[jax_moe_comm.MoEComm] = []
-    try:
-        for _ in range(args.layers):
-            comms.append(jax_moe_comm.MoEComm(cfg, mesh, AXIS, backend=args.backend))
-    except Exception:
-        for comm in comms:
-            comm.close()
-        raise
-    return mesh, comms, batches
+    # One MoEComm for every layer: a MoEComm carries one round trip at a time, and each layer's dispatch takes the
+    # previous layer's output, so the layers' round trips never overlap.
+    return mesh, jax_moe_comm.MoEComm(cfg, mesh, AXIS, backend=args.backend), batches
 
 
-def run(args: argparse.Namespace, mesh: Mesh, comms: Sequence[jax_moe_comm.MoEComm], batches: Sequence[int],
+def run(args: argparse.Namespace, mesh: Mesh, comm: jax_moe_comm.MoEComm, batches: Sequence[int],
         say: Callable[[str], None] = print) -> tuple[list[BatchResult], int]:
     """Decodes every batch size on both models: (one BatchResult per batch size, compilations of the EP step)."""
     say(f"jax_moe_comm decode: {args.layers} blocks of {args.heads}-head causal attention (KV cache) + MoE, "
         f"vocab {args.vocab}, greedy")
-    say(f"  backend {comms[0].backend} ({mesh.devices.flat[0].platform}, {jax.process_count()} process(es)), "
-        f"world {comms[0].world}, {args.experts} experts (top-{args.top_k}), hidden {args.hidden}, ffn {args.ffn}, "
+    say(f"  backend {comm.backend} ({mesh.devices.flat[0].platform}, {jax.process_count()} process(es)), "
+        f"world {comm.world}, {args.experts} experts (top-{args.top_k}), hidden {args.hidden}, ffn {args.ffn}, "
         f"{args.dtype}, max_tokens {args.max_tokens} per rank, prompt {args.prompt} + {args.steps} steps")
     weights = init_model(args)
-    ep, dense = EPDecoder(comms, mesh, args, weights), DenseDecoder(args, weights)
+    ep, dense = EPDecoder(comm, mesh, args, weights), DenseDecoder(args, weights)
     prompts = np.random.default_rng([args.seed, 1]).integers(0, args.vocab, (max(batches), args.prompt), np.int32)
     results = []
     try:
@@ -456,15 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(message, flush=True)
 
     try:
-        mesh, comms, batches = start(args)
+        mesh, comm, batches = start(args)
     except (RuntimeError, ValueError) as exc:  # e.g. backend="nvshmem" without GPUs / extension, E % world != 0
         print(f"jax_moe_comm.examples.decode: error: {exc}", file=sys.stderr)
         return 2
     try:
-        results, compilations = run(args, mesh, comms, batches, say)
+        results, compilations = run(args, mesh, comm, batches, say)
     finally:
-        for comm in comms:
-            comm.close()
+        comm.close()
     one_compile = compilations == 1
     say(f"decode step compiled {compilations} time(s) for batch sizes {', '.join(str(r.batch) for r in results)} "
         f"(traced num_tokens and position)  {'PASS' if one_compile else 'FAIL'}")

@@ -11,9 +11,13 @@ step draws fresh Gaussian inputs x [world * tokens, hidden] (sharded over "ep"),
 mean((student(x) - teacher(x))**2). A fixed held-out batch measures the loss every ``--log-every`` steps; the run
 exits with status 1 unless the final held-out loss is below half the initial one.
 
-Gradients flow through dispatch and combine with plain JAX AD on the reference backend and with the custom VJP
-of jax_moe_comm.autodiff on the NVSHMEM backend (its default there): the backward pass is one more round trip on
-each layer's MoEComm. Compare the two backends' losses with ``--log-json`` on each.
+Every block of a model runs on that model's one MoEComm: the student's blocks on one, the teacher's on another.
+Within a model the round trips are ordered by data (block i + 1 dispatches block i's output, and the backward pass
+runs back through the blocks); the two models are computed side by side with nothing ordering one's round trips
+against the other's, so they cannot share one. Gradients flow through dispatch and combine with plain JAX AD on
+the reference backend and with the custom VJP of jax_moe_comm.autodiff on the NVSHMEM backend (its default there):
+the backward pass is one more round trip per block, on the student's MoEComm. Compare the two backends' losses
+with ``--log-json`` on each.
 """
 
 from __future__ import annotations
@@ -73,9 +77,9 @@ def rms_norm(x: Array, scale: Array, eps: float = 1e-6) -> Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def forward(comms: Sequence[jax_moe_comm.MoEComm], params: dict, x: Array) -> Array:
-    """x [world * T, H] float32, sharded over AXIS -> float32 [world * T, H]. One MoEComm per block."""
-    for comm, block in zip(comms, params["blocks"], strict=True):
+def forward(comm: jax_moe_comm.MoEComm, params: dict, x: Array) -> Array:
+    """x [world * T, H] float32, sharded over AXIS -> float32 [world * T, H]. Every block on the model's MoEComm."""
+    for block in params["blocks"]:
         x = x + moe_layer(comm, block["moe"], rms_norm(x, block["norm"])).astype(jnp.float32)
     return x
 
@@ -132,7 +136,9 @@ def _is_autodiff_error(exc: BaseException) -> bool:
 class Trainer:
     """The jitted functions of one run: init, train step, held-out loss."""
 
-    def __init__(self, args: argparse.Namespace, mesh: Mesh, student: list, teacher: list) -> None:
+    def __init__(self, args: argparse.Namespace, mesh: Mesh, student: jax_moe_comm.MoEComm | None,
+                 teacher: jax_moe_comm.MoEComm | None) -> None:
+        """student, teacher: each model's MoEComm (None for a Trainer whose steps never run that model)."""
         import optax  # imported here so that `--help` works without it
 
         self.args, self.mesh = args, mesh
@@ -187,16 +193,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = jax_moe_comm.MoECommConfig(num_experts=args.experts, experts_per_token=args.topk, hidden=args.hidden,
                                      max_tokens=args.tokens, dtype=dtype, out_dtype=dtype)
     try:
-        start_runtime(args.backend, cfg, num_comms=2 * args.blocks)
+        start_runtime(args.backend, cfg, num_comms=2)
         mesh = Mesh(np.array(jax.devices()), (AXIS,))
-        # One MoEComm per layer and model: on the NVSHMEM backend a MoEComm serves one round trip at a time, and
-        # the teacher's and student's layers have no data dependency that would order them.
-        student = [jax_moe_comm.MoEComm(cfg, mesh, AXIS, backend=args.backend) for _ in range(args.blocks)]
-        teacher = [jax_moe_comm.MoEComm(cfg, mesh, AXIS, backend=args.backend) for _ in range(args.blocks)]
+        # One MoEComm per model: a MoEComm carries one round trip at a time. A model's own blocks are ordered by
+        # data, but nothing orders the student's round trips against the teacher's.
+        student = jax_moe_comm.MoEComm(cfg, mesh, AXIS, backend=args.backend)
+        teacher = jax_moe_comm.MoEComm(cfg, mesh, AXIS, backend=args.backend)
     except (RuntimeError, ValueError) as exc:  # e.g. backend="nvshmem" without GPUs / extension, E % world != 0
         print(f"jax_moe_comm.examples.train: error: {exc}", file=sys.stderr)
         return 2
-    backend, world, leader = student[0].backend, student[0].world, jax.process_index() == 0
+    backend, world, leader = student.backend, student.world, jax.process_index() == 0
 
     def say(message: str) -> None:
         if leader:
@@ -215,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         step_fn = trainer.compile_step(params, opt_state, teacher_params, backend)
     except AutodiffUnsupportedError as exc:
         print(f"jax_moe_comm.examples.train: error: {exc}", file=sys.stderr)
-        for comm in student + teacher:
+        for comm in (student, teacher):
             comm.close()
         return 2
 
@@ -245,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "config": {k: v for k, v in vars(args).items() if k != "log_json"}}
         with open(args.log_json, "w") as f:
             json.dump(record, f, indent=1)
-    for comm in student + teacher:
+    for comm in (student, teacher):
         comm.close()
     return 0 if ok else 1
 

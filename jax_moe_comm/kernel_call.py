@@ -1,0 +1,65 @@
+"""The kernels' XLA custom calls as one JAX primitive, whose effect JAX may rematerialize.
+
+``jax.ffi.ffi_call(..., has_side_effect=True)`` marks its call with JAX's FFI effect, which ``jax.checkpoint``
+refuses ("Effects not supported in partial-eval of checkpoint/remat"). A round trip must be side-effecting for XLA
+(never dropped, never merged), and it may be recomputed: a recomputed round trip is one round trip more, run by every
+rank at the same point of the same program, so the protocol stays in step (docs/design.md, "One buffer set for a
+whole model"). So the calls go through this primitive, with an effect of its own that is allowed under remat, custom
+derivatives and control flow, and lowered exactly like ffi_call's (an FFI custom call with has_side_effect).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax._src import core, effects  # no public API registers an effect type or its permissions
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelEffect(effects.Effect):
+    """A jax_moe_comm kernel call: kept and never merged by XLA; allowed where a round trip may be recomputed or
+    repeated."""
+
+    def __str__(self) -> str:
+        return "jax_moe_comm kernel"
+
+
+_EFFECT = KernelEffect()
+for allowed in (effects.lowerable_effects, effects.control_flow_allowed_effects, effects.remat_allowed_effects,
+                effects.custom_derivatives_allowed_effects):
+    allowed.add_type(KernelEffect)
+
+kernel_call_p = Primitive("jmc_kernel_call")
+kernel_call_p.multiple_results = True
+
+
+def _abstract_eval(*avals_in, target: str, results: tuple, attributes: tuple):
+    del target, attributes
+    core.standard_vma_rule("jmc_kernel_call", *avals_in)  # as ffi_call's: results on the current mesh
+    return tuple(r.update(sharding=core.get_cur_mesh_sharding()) if r.sharding.mesh.empty else r
+                 for r in results), {_EFFECT}
+
+
+kernel_call_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+def _lowering(ctx, *operands, target: str, results: tuple, attributes: tuple):
+    del results
+    return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *operands, **dict(attributes))
+
+
+mlir.register_lowering(kernel_call_p, _lowering, platform="cuda")
+
+
+def kernel_call(target: str, results: Any, *args, **attributes) -> Any:
+    """``jax.ffi.ffi_call(target, results, has_side_effect=True)(*args, **attributes)`` on this primitive. `results`:
+    a ShapeDtypeStruct or a sequence of them (the result then a list); attributes: numpy scalars."""
+    many = isinstance(results, Sequence)
+    avals = tuple(core.shaped_abstractify(r).update(dtype=r.dtype) for r in (results if many else (results,)))
+    outs = kernel_call_p.bind(*args, target=target, results=avals, attributes=tuple(sorted(attributes.items())))
+    return list(outs) if many else outs[0]
