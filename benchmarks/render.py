@@ -50,8 +50,9 @@ def _us(value) -> str:
     return f"{value:,.0f}" if value >= 1000 else f"{value:.1f}"
 
 
-def markdown_table(record: dict) -> str:
-    """The header line, the table, and the distinct errors below it."""
+def markdown_table(record: dict, source: str | None = None) -> str:
+    """The header line, the table, and the distinct errors below it. ``source``: the record's path, named in the
+    header instead of its (long) command."""
     rows = record["rows"]
     backends = _backends(rows)
     by_key = {(r["config"], r["tokens"], r["backend"]): r for r in rows}
@@ -81,8 +82,8 @@ def markdown_table(record: dict) -> str:
 
     header = (f"Dispatch + combine round trip, µs per round trip (median; lower is better). "
               f"{record.get('date', '?')}, {record.get('device', '?')} (world {record.get('world', '?')}), "
-              f"jax {record.get('jax', '?')}, commit `{record.get('commit', '?')}`, command "
-              f"`{record.get('command', '?')}`.")
+              f"jax {record.get('jax', '?')}, commit `{record.get('commit', '?')}`, "
+              + (f"record `{source}` (its command inside)." if source else f"command `{record.get('command', '?')}`."))
     if record.get("check_errors") is False:
         header += " MoEComm backends timed with `check_errors=False` (`--no-check`)."
     if record.get("weights_to") == "dispatch":
@@ -94,6 +95,14 @@ def markdown_table(record: dict) -> str:
         text += ["", "Errors (first per backend; `*` marks a time whose row also reports an error):", ""]
         text += [f"- {b}: {msg}" for b, msg in errors.items()]
     return "\n".join(text)
+
+
+def _shown_path(path: Path) -> str:
+    """The record's path relative to the project (as the README names it), else as given."""
+    try:
+        return str(path.resolve().relative_to(HERE.parent))
+    except ValueError:
+        return str(path)
 
 
 def update_readme(readme: Path, table: str) -> bool:
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     path = Path(args.record) if args.record else newest_record(Path(args.results))
     record = json.loads(path.read_text())
-    table = markdown_table(record)
+    table = markdown_table(record, _shown_path(path))
     print(table)
     print()
     if update_readme(Path(args.readme), table):

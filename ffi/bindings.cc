@@ -39,7 +39,7 @@ jmc::Sizes sizes_from(const std::map<std::string, int64_t>& d) {
   JMC_FIELD(max_tokens); JMC_FIELD(experts_per_token); JMC_FIELD(hidden); JMC_FIELD(num_experts);
   JMC_FIELD(local_experts); JMC_FIELD(capacity); JMC_FIELD(align); JMC_FIELD(payload_bytes);
   JMC_FIELD(scale_cols); JMC_FIELD(token_stride); JMC_FIELD(slots_per_source); JMC_FIELD(combine_stride);
-  JMC_FIELD(sm_count);
+  JMC_FIELD(sm_count); JMC_FIELD(drop_overflow);
 #undef JMC_FIELD
   s.timeout_ns = d.at("timeout_ns");
   return s;
@@ -126,6 +126,20 @@ NB_MODULE(_nvshmem_ext, m) {
   m.def("host_failure", [](int64_t id) { return jmc::host_failure(context(id)); },
         "The first failure the device has told the host of and not yet cleared (status words; code 0: none).");
   m.def("clear_host_failure", [](int64_t id) { jmc::clear_host_failure(context(id)); });
+  m.def("job_on_nvlink", [](const std::vector<int32_t>& pe_of_rank) {
+    std::string error;
+    bool on_nvlink;
+    {
+      nb::gil_scoped_release released;
+      on_nvlink = jmc::job_on_nvlink(pe_of_rank, &error);
+    }
+    if (!error.empty()) throw std::runtime_error("jax_moe_comm: " + error);
+    return on_nvlink;
+  }, nb::arg("pe_of_rank"),
+        "Collective (every PE of the job): whether on every PE each peer of its EP group (pe_of_rank) is reachable "
+        "by NVLink stores. Decides whether a context needs staging buffers (one size on every PE).");
+  m.def("context_bytes", [](int64_t id) { return context(id)->symmetric_bytes; },
+        "Bytes of symmetric heap the context allocated on this PE.");
   m.def("context_p2p", [](int64_t id) { return context(id)->p2p; },
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
 #ifdef JMC_MEASUREMENT

@@ -75,6 +75,7 @@ struct Sizes {
   int combine_stride;  // bytes of one combine row (hidden * the out dtype's bytes: slot and partial rows), 16-aligned
   int64_t timeout_ns;
   int sm_count;  // each launch sizes its grid from its work, capped by this
+  int drop_overflow;  // rows past capacity are dropped without an error (MoECommConfig(overflow="drop"))
 };
 
 // The element types of combine rows, by the codes the launch helpers take (handlers.cu derives them from XLA's
@@ -120,13 +121,14 @@ struct HostState {
 struct Context {
   Sizes s;
   // Symmetric (same offsets on every rank).
-  char* dispatch_staging;     // [max_tokens] token strides, this rank's packed tokens (staged path)
+  char* dispatch_staging;     // [max_tokens] token strides, this rank's packed tokens (staged path; else null)
   char* dispatch_slots;       // [world][slots_per_source] token strides: a source's token i, once per rank
   int32_t* dispatch_ids;      // [world][slots_per_source][K] every token's ids (which slots hold a row, and for
                               // which local experts)
   uint64_t* dispatch_ready;   // [world] tagged(epoch, token count [| kRowsLanded]), SET once its rows and ids landed
-  char* combine_staging;      // [capacity] combine rows, this rank's expert outputs
-  char* combine_slots;        // [max_tokens][K] combine rows arriving here
+  char* combine_staging;      // [capacity] combine rows, this rank's expert outputs (staged path; else null)
+  char* combine_slots;        // [max_tokens][K] combine rows arriving here (the bytes of combine_partials: a combine
+                              // uses one layout or the other)
   uint64_t* combine_flags;    // [max_tokens][K] tagged(epoch, kSlotLanded | kSlotDropped), SET after the slot's row
   uint64_t* sync_flags;       // [world] tagged(epoch, 1): that peer finished reading its dispatch buffers
   // The pre-reduced combine (weights given to combine_send; NVLink path): one row per (token, expert rank).

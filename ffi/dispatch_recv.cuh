@@ -238,7 +238,7 @@ __device__ inline void histogram_split(const Context& ctx, Receive& r, const Sha
 }
 
 // 3. The layout from the counts: experts' padded starts (a block scan), each (expert, group)'s base; block 0 writes
-//    group_sizes and reports an overflow.
+//    group_sizes and reports an overflow (unless the MoEComm drops overflow: then the rows are dropped silently).
 __device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs& a, Receive& r) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_temp;
@@ -262,7 +262,7 @@ __device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs&
   __syncthreads();
   if (blockIdx.x == 0) {
     for (int l = threadIdx.x; l < L; l += blockDim.x) a.group_sizes[l] = r.expert_start[l + 1] - r.expert_start[l];
-    if (threadIdx.x == 0 && r.expert_start[L] > s.capacity)
+    if (threadIdx.x == 0 && r.expert_start[L] > s.capacity && !s.drop_overflow)
       report(ctx, kDispatchRecv, kCapacityOverflow, r.expert_start[L], s.capacity);
   }
 }
@@ -325,7 +325,7 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
       const int l = k < kUnrolledSlots ? slot_expert[j][k] : ids_at(i, g)[k] - first_local;
       const int at = max(first[g] - batch, 0);  // the batch's first arrival of group g
       const int p = r.group_base[l * G + g] + r.before[l * G + g] + count_bits(r.hits + l * kBitWords, at, j);
-      if (p >= s.capacity) {  // overflow: reported by derive_layout, never written; its source is told (no row comes)
+      if (p >= s.capacity) {  // overflow: never written (derive_layout reported it); its source is told: no row comes
         if (lane == 0) drop_slot(*ctx.on_device, g, t, k);
         continue;
       }

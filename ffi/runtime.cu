@@ -77,7 +77,37 @@ size_t layout_bytes(const Layout& layout) {
   return end;
 }
 
+// A buffer the layout may leave out (null then).
+template <typename T>
+T* optional_region(char* base, const Layout& layout, const char* name) {
+  auto it = layout.find(name);
+  return it == layout.end() ? nullptr : reinterpret_cast<T*>(base + it->second.first);
+}
+
 }  // namespace
+
+bool job_on_nvlink(const std::vector<int32_t>& pe_of_rank, std::string* error) {
+  // Two ints of symmetric memory: this PE's answer, then the AND over the job's PEs.
+  auto* words = static_cast<int32_t*>(nvshmem_malloc(2 * sizeof(int32_t)));
+  if (words == nullptr) {
+    *error = "nvshmem_malloc of 8 bytes failed";
+    return false;
+  }
+  int32_t reached = pe_of_rank.size() <= static_cast<size_t>(kMaxNvlinkPeers);
+  for (int32_t pe : pe_of_rank)
+    reached = reached && pe >= 0 && pe < nvshmem_n_pes() && nvshmem_ptr(words, pe) != nullptr;
+  int32_t all = 0;
+  cudaStream_t stream = nullptr;
+  const bool ok = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+                  cudaMemcpyAsync(words, &reached, sizeof(reached), cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+                  nvshmemx_int32_and_reduce_on_stream(NVSHMEM_TEAM_WORLD, words + 1, words, 1, stream) == 0 &&
+                  cudaMemcpyAsync(&all, words + 1, sizeof(all), cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
+                  cudaStreamSynchronize(stream) == cudaSuccess;
+  if (stream != nullptr) cudaStreamDestroy(stream);
+  nvshmem_free(words);
+  if (!ok) *error = "agreeing on the job's NVLink reach failed";
+  return ok && all != 0;
+}
 
 Context* create_context(const Sizes& sizes, const Layout& layout, const std::vector<int32_t>& pe_of_rank, bool staged,
                         int ids_first_min_tokens, std::string* error) {
@@ -107,17 +137,17 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
   ctx->base = base;
   ctx->symmetric_bytes = total;
   std::string missing;
-  ctx->dispatch_staging = region<char>(base, layout, "dispatch_staging", &missing);
+  ctx->dispatch_staging = optional_region<char>(base, layout, "dispatch_staging");
   ctx->dispatch_slots = region<char>(base, layout, "dispatch_slots", &missing);
   ctx->dispatch_ids = region<int32_t>(base, layout, "dispatch_ids", &missing);
   ctx->dispatch_ready = region<uint64_t>(base, layout, "dispatch_ready", &missing);
-  ctx->combine_staging = region<char>(base, layout, "combine_staging", &missing);
-  ctx->combine_slots = region<char>(base, layout, "combine_slots", &missing);
+  ctx->combine_staging = optional_region<char>(base, layout, "combine_staging");
+  ctx->combine_slots = region<char>(base, layout, "combine_rows", &missing);
   ctx->combine_flags = region<uint64_t>(base, layout, "combine_flags", &missing);
   ctx->sync_flags = region<uint64_t>(base, layout, "sync_flags", &missing);
   ctx->combine_weights = region<float>(base, layout, "combine_weights", &missing);
   ctx->weights_ready = region<uint64_t>(base, layout, "weights_ready", &missing);
-  ctx->combine_partials = region<char>(base, layout, "combine_partials", &missing);
+  ctx->combine_partials = ctx->combine_slots;
   ctx->partials_ready = region<uint64_t>(base, layout, "partials_ready", &missing);
 #ifdef JMC_MEASUREMENT
   ctx->probe_ready = region<uint64_t>(base, layout, "probe_ready", &missing);
@@ -146,6 +176,11 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
     const char* peer = static_cast<const char*>(nvshmem_ptr(base, pe_of_rank[r]));
     ctx->p2p = peer != nullptr;
     if (ctx->p2p) ctx->peer_offset[r] = peer - base;
+  }
+  if (!ctx->p2p && (ctx->dispatch_staging == nullptr || ctx->combine_staging == nullptr)) {
+    *error = "the layout has no staging buffers, but this EP group sends through them (staged, or a peer off NVLink)";
+    destroy_context(ctx, /*collective=*/false);
+    return nullptr;
   }
   // The ids-first dispatch and its per-block histograms (local device memory, read only by that kernel; never read
   // before written in the same call: no zeroing). Without them the fused dispatch sends first.

@@ -31,6 +31,10 @@ std::tuple<int, int, int> host_version();  // NVSHMEM version of the loaded libn
 // (offset, bytes).
 using Layout = std::map<std::string, std::pair<size_t, size_t>>;
 
+// Collective over every PE of the job: true when, on every PE, each PE of its EP group (pe_of_rank) is reachable by
+// loads and stores (NVLink) and the group fits a Context's peer offsets. On failure false with *error set.
+bool job_on_nvlink(const std::vector<int32_t>& pe_of_rank, std::string* error);
+
 // Collective: one MoEComm's symmetric buffers. `staged`: send through symmetric staging and puts even where NVLink
 // stores would reach every peer; `ids_first_min_tokens`: from that max_tokens on (NVLink, one replica per DP group)
 // the fused dispatch sends its ids first (Context::ids_first).

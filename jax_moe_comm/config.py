@@ -7,6 +7,7 @@ and the rule it breaks. Values that need the mesh (the world size) are checked b
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import numpy as np
 PAYLOAD_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 DEFAULT_SCALE_BLOCK = 128
+OVERFLOW_POLICIES = ("error", "drop")
 # A packed row's origin is stored as one int32: (src_group * max_tokens + token) * K + slot.
 _MAX_ORIGIN = 2**31 - 1
 
@@ -64,8 +66,18 @@ class MoECommConfig:
       scale_block: B, elements per fp32 scale; fp8 only (default 128), ``hidden % B == 0``.
       out_dtype: dtype of the combined output: bfloat16, float16 or float32.
       dp_size: ranks per DP group; the group's ranks hold identical tokens.
-      capacity: rows of the receive buffer; default is the worst case (see ``capacity``).
+      capacity: rows of ``expert_x`` per rank; default the worst case (``worst_case_rows``), which no routing
+        overflows. Exclusive with ``capacity_factor``.
+      capacity_factor: capacity as a factor of the average load instead: ``L * round_up(ceil(capacity_factor *
+        num_dp * max_tokens * K / E), align)`` rows (each local expert's average rows times the factor, aligned), at
+        most the worst case. Training with a factor of 1.0 to 2.0 bounds ``expert_x`` and lets ``overflow="drop"``
+        drop what does not fit.
       align: each local expert's row count is padded to a multiple of ``align``.
+      overflow: what a dispatch does with rows that do not fit in ``capacity`` (rows are packed in layout order;
+        those from position ``capacity`` on do not fit): "error" (default) fails the round trip with a capacity
+        overflow MoECommError (combine gives NaN); "drop" drops them, as capacity-factor MoE training does: their
+        slots contribute zero to combine, ``group_sizes`` count the rows kept and ``Dispatched.dropped_rows`` counts
+        the rows dropped. The same rows on both backends.
     """
 
     num_experts: int
@@ -78,6 +90,8 @@ class MoECommConfig:
     dp_size: int = 1
     capacity: int | None = None
     align: int = 1
+    capacity_factor: float | None = None
+    overflow: str = "error"
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -100,6 +114,17 @@ class MoECommConfig:
                              f"with dtype {self.dtype.name}")
         if self.capacity is not None:
             set_("capacity", _positive_int("capacity", self.capacity))
+        if self.capacity_factor is not None:
+            f = self.capacity_factor
+            if isinstance(f, bool) or not isinstance(f, (int, float, np.integer, np.floating)) or not (
+                    math.isfinite(f) and f > 0):
+                raise ValueError(f"capacity_factor must be a positive number (times the average load), got {f!r}")
+            if self.capacity is not None:
+                raise ValueError("give capacity (rows) or capacity_factor (times the average load), not both; got "
+                                 f"capacity={self.capacity} and capacity_factor={f!r}")
+            set_("capacity_factor", float(f))
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
 
     @property
     def is_fp8(self) -> bool:
@@ -126,8 +151,22 @@ class MoECommConfig:
         return rows
 
     def capacity_for(self, world: int) -> int:
-        """Rows of ``expert_x``: ``capacity`` if given, else the worst case."""
-        return self.capacity if self.capacity is not None else self.worst_case_rows(world)
+        """Rows of ``expert_x``: ``capacity`` if given, else from ``capacity_factor`` if given, else the worst
+        case."""
+        if self.capacity is not None:
+            return self.capacity
+        worst = self.worst_case_rows(world)
+        if self.capacity_factor is None:
+            return worst
+        average = self.num_dp(world) * self.max_tokens * self.experts_per_token / self.num_experts
+        per_expert = round_up(max(1, math.ceil(self.capacity_factor * average)), self.align)
+        return min(self.local_experts(world) * per_expert, worst)
+
+    def gradient_config(self, world: int, grad_dtype: Any) -> MoECommConfig:
+        """The config of an fp8 layer's backward round trip (MoEComm's grad_dtype buffer set): the same routing,
+        capacity and overflow policy, payload in grad_dtype."""
+        return dataclasses.replace(self, dtype=grad_dtype, scale_block=None, capacity=self.capacity_for(world),
+                                   capacity_factor=None)
 
     def validate_world(self, world: int, axis_name: str | tuple[str, ...]) -> None:
         """Checks that need the EP world size (the product of the EP axes' sizes); ValueError naming the argument

@@ -247,7 +247,7 @@ def start_runtime(backend: str, cfg: jax_moe_comm.MoECommConfig) -> None:
     initialize_distributed()  # (0, 1) and nothing to do without the launcher
     one_gpu = [d.platform for d in jax.local_devices()] == ["gpu"]
     if backend == "nvshmem" or (backend == "auto" and one_gpu and jax_moe_comm.build_info()["cuda"]):
-        heap = max(NVSHMEM_DEFAULT_HEAP, 2 * nvshmem_backend.symmetric_bytes(cfg, len(jax.devices())))
+        heap = max(NVSHMEM_DEFAULT_HEAP, 2 * nvshmem_backend.symmetric_bytes(cfg, len(jax.devices()), staging=True))
         runtime.initialize(symmetric_size=heap)  # a clear error if the extension is missing
 
 

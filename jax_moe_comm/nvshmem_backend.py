@@ -1,10 +1,11 @@
 """The NVSHMEM backend: the four phases as XLA FFI custom calls on the CUDA kernels in ``ffi/``.
 
 Same signatures, layout and handle as ``reference``; the fused ``dispatch`` and ``combine`` are one custom call
-each on the NVLink path (one kernel: send, then receive). Each phase is a ``jax.ffi.ffi_call`` (a JAX primitive with
-its abstract shapes and CUDA lowering) with ``has_side_effect=True`` so XLA never drops or merges it; the order
-comes from data: dispatch_send's status feeds dispatch_recv, whose row_origin feeds combine_send, whose status
-feeds combine_recv. A MoEComm's calls must form one protocol at a time (see MoEComm).
+each on the NVLink path (one kernel: send, then receive). Each phase is an XLA FFI custom call with a side effect, so
+XLA never drops or merges it, made by ``kernel_call`` (a JAX primitive like ``jax.ffi.ffi_call``'s, whose effect
+``jax.checkpoint`` may recompute). The order comes from data: dispatch_send's status feeds dispatch_recv, whose
+row_origin feeds combine_send, whose status feeds combine_recv. A MoEComm's calls must form one protocol at a time
+(see MoEComm).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jax import Array
 
 from . import _native, errors, runtime
 from .config import Geometry, MoECommConfig, Options
+from .kernel_call import kernel_call
 from .types import CombineHandle, Dispatched, pytree_dataclass
 
 MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
@@ -71,29 +73,34 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
         combine_stride=_round16(cfg.hidden * np.dtype(cfg.out_dtype).itemsize),
         timeout_ns=int(timeout_s * 1e9),
         sm_count=sm_count,
+        drop_overflow=int(cfg.overflow == "drop"),
     )
 
 
-def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False) -> dict[str, tuple[int, int]]:
+def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False, staging: bool = False
+                     ) -> dict[str, tuple[int, int]]:
     """The symmetric allocation of one MoEComm on each rank: buffer name -> (offset, bytes), each 16-byte aligned.
     The only definition: the extension carves its buffers by these names (ffi/context.h says what each holds).
-    ``measurement``: with the measurement build's probe word."""
+    ``measurement``: with the measurement build's probe word. ``staging``: with the staging buffers of the path to
+    peers off NVLink (``staged=True``, or a job whose peers are not all reachable by NVLink stores); a job whose
+    peers all are never touches them, and they are the largest buffer of a worst-case capacity."""
     s = kernel_sizes(cfg, world, 0)
     slots, T, K = world * s["slots_per_source"], s["max_tokens"], s["experts_per_token"]
     words = _round16(world * 8)  # one u64 per rank
     status = 4 * errors.STATUS_WORDS
     sizes = [
-        ("dispatch_staging", T * s["token_stride"]),
+        *([("dispatch_staging", T * s["token_stride"])] if staging else []),
         ("dispatch_slots", slots * s["token_stride"]),
         ("dispatch_ids", slots * K * 4),
         ("dispatch_ready", words),
-        ("combine_staging", s["capacity"] * s["combine_stride"]),
-        ("combine_slots", T * K * s["combine_stride"]),
+        *([("combine_staging", s["capacity"] * s["combine_stride"])] if staging else []),
+        # A combine sends rows per slot ([T][K]) or pre-reduced rows per expert rank ([world][T]), never both: the two
+        # layouts share these bytes.
+        ("combine_rows", max(T * K, world * T) * s["combine_stride"]),
         ("combine_flags", T * K * 8),
         ("sync_flags", words),
         ("combine_weights", slots * K * 4),
         ("weights_ready", words),
-        ("combine_partials", world * T * s["combine_stride"]),
         ("partials_ready", words),
         *([("probe_ready", words)] if measurement else []),  # the bench's floor probe (ffi/probe.cu)
         ("round_failures", 2 * world * status),
@@ -108,9 +115,10 @@ def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False) 
     return layout
 
 
-def symmetric_bytes(cfg: MoECommConfig, world: int) -> int:
-    """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank."""
-    return sum(size for _, size in symmetric_layout(cfg, world, _native.measurement_build()).values())
+def symmetric_bytes(cfg: MoECommConfig, world: int, staging: bool = False) -> int:
+    """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (``staging``: see symmetric_layout)."""
+    layout = symmetric_layout(cfg, world, _native.measurement_build(), staging)
+    return sum(size for _, size in layout.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +170,18 @@ def create_plan(geo: Geometry, mesh) -> Plan:
 def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, pe_of_rank: list[int] | None = None
                    ) -> int:
     """Collective: the extension's context of one MoEComm on this rank (its id). pe_of_rank: the NVSHMEM PE of each
-    rank of the EP group (default: rank r is PE r, the group of every PE)."""
+    rank of the EP group (default: rank r is PE r, the group of every PE). The staging buffers are allocated when
+    some process of the job needs them (an allocation has one size on every process)."""
+    pes = list(range(world)) if pe_of_rank is None else list(pe_of_rank)
+    staging = options.staged or not _native.ext.job_on_nvlink(pes)
     sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s)
-    return _native.ext.create_context(sizes, symmetric_layout(cfg, world, _native.measurement_build()),
-                                      list(range(world)) if pe_of_rank is None else list(pe_of_rank),
-                                      staged=options.staged,
-                                      ids_first_min_tokens=options.ids_first_min_tokens)
+    return _native.ext.create_context(sizes, symmetric_layout(cfg, world, _native.measurement_build(), staging), pes,
+                                      staged=options.staged, ids_first_min_tokens=options.ids_first_min_tokens)
+
+
+def plan_bytes(plan: Plan) -> int:
+    """Bytes of symmetric heap the plan's context allocated on this rank."""
+    return int(_native.ext.context_bytes(plan.ctx))
 
 
 def destroy_plan(plan: Plan) -> None:
@@ -225,7 +239,7 @@ def _varying_axes(a) -> frozenset:
 
 def _varying(outs, args, ep_axes: tuple[str, ...]):
     """Marks a custom call's per-shard results as varying over the EP axes and every axis its operands vary over,
-    as shard_map's type checks expect (ffi_call results carry no such annotation; without it e.g. a lax.scan carry
+    as shard_map's type checks expect (custom call results carry no such annotation; without it e.g. a lax.scan carry
     would change type)."""
     axes = frozenset(ep_axes).union(*(_varying_axes(a) for a in jax.tree.leaves(args)))
 
@@ -242,7 +256,7 @@ def _call(name: str, results, plan: Plan, *args, **attrs):
     # backward pass), side effect or not, and keeps the original: the kernel then ran twice per iteration. Behind
     # optimization barriers (free: no copy, no kernel) the operands and results match no such pattern.
     args = jax.lax.optimization_barrier(args)
-    outs = jax.ffi.ffi_call(f"jmc_{name}", results, has_side_effect=True)(*args, context=np.int64(plan.ctx), **attrs)
+    outs = kernel_call(f"jmc_{name}", results, *args, context=np.int64(plan.ctx), **attrs)
     outs = jax.lax.optimization_barrier(outs)
     return _varying(outs, args, plan.geo.axis_name)
 
@@ -264,8 +278,8 @@ def _after_arg(plan: Plan, x: Array, after: Array | None) -> Array:
     `after` (or after x is computed: after the previous round trip): XLA runs the check on the host right before it
     launches this round trip, and it raises a failure of an earlier round trip without synchronizing."""
     if plan.geo.check_errors is True:
-        check = jax.ffi.ffi_call("jmc_check", jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)
-        return check(x if after is None else after, context=np.int64(plan.ctx), lag=np.int64(CHECK_LAG))
+        return kernel_call("jmc_check", jax.ShapeDtypeStruct((1,), jnp.int32), x if after is None else after,
+                           context=np.int64(plan.ctx), lag=np.int64(CHECK_LAG))
     return jnp.zeros((0,), jnp.int32) if after is None else after
 
 

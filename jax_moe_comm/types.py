@@ -57,11 +57,19 @@ class Dispatched:
                    expert ordered by (source DP group, source token index). Each expert's run is padded with zero
                    rows to a multiple of ``align``; rows past ``sum(group_sizes)`` hold no token.
     expert_scales: [capacity, H // scale_block] float32 for fp8 payloads, else None; same row order.
-    group_sizes:   int32 [L], rows per local expert including alignment padding (``jax.lax.ragged_dot``-ready).
+    group_sizes:   int32 [L], rows per local expert including alignment padding (``jax.lax.ragged_dot``-ready);
+                   with ``overflow="drop"`` the rows kept (their sum is at most capacity).
     handle:        CombineHandle for ``combine``.
+    expert_counts: int32 [E], the load of every expert of the layer: live (token, slot) pairs routed to it over
+                   the whole EP group, each DP group's tokens once, before any drop; the same on every rank. For
+                   load-balancing losses and monitoring; computed on the device (a psum of E integers, which XLA
+                   removes when nothing reads it).
+    dropped_rows:  int32 [], rows for this rank's experts that did not fit in capacity (0 unless it overflowed).
     """
 
     expert_x: Array
     expert_scales: Array | None
     group_sizes: Array
     handle: CombineHandle
+    expert_counts: Array | None = None
+    dropped_rows: Array | None = None

@@ -106,7 +106,7 @@ def combine(expert_y, layouts, topk_ids, topk_weights, num_tokens, *, dp_size, n
     expert_y [world, capacity, H] (any float dtype), ``layouts`` from :func:`dispatch` (to find the row of each
     (group, token, slot)), per-group topk_ids [G, T, K] and num_tokens [G], per-rank topk_weights [world, T, K].
     y[t] = sum over k = 0..K-1 of w[t, k] * expert_y[row(t, k)], accumulated in float32 in slot order; -1 slots
-    add nothing; rows t >= num_tokens are zero.
+    and slots whose row is not in the layout (past capacity) add nothing; rows t >= num_tokens are zero.
     """
     world, _, hidden = expert_y.shape
     num_groups, max_tokens, k_slots = topk_ids.shape
@@ -126,7 +126,10 @@ def combine(expert_y, layouts, topk_ids, topk_weights, num_tokens, *, dp_size, n
                 e = int(topk_ids[g, t, k])
                 if not routed(topk_ids, g, t, k):
                     continue
-                src_rank, p = where[(g * max_tokens + t) * k_slots + k]
+                found = where.get((g * max_tokens + t) * k_slots + k)
+                if found is None:  # its row did not fit in capacity (overflow="drop"): it adds nothing
+                    continue
+                src_rank, p = found
                 assert src_rank == e // num_local
                 acc = acc + np.float32(topk_weights[rank, t, k]) * expert_y[src_rank, p].astype(np.float32)
             out[rank, t] = acc.astype(out_dtype)

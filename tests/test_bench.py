@@ -309,7 +309,8 @@ def test_committed_records_have_the_schema_and_the_readme_shows_the_newest():
         assert record["rows"], path
         for row in record["rows"]:
             assert {"backend", "config", "tokens", "dispatch_us", "combine_us", "total_us"} <= set(row), (path, row)
-    newest = json.loads(render.newest_record(results).read_text())
+    newest_path = render.newest_record(results)
+    newest = json.loads(newest_path.read_text())
     readme = (ROOT / "README.md").read_text()
     shown = readme[readme.index(render.BEGIN) + len(render.BEGIN):readme.index(render.END)].strip()
-    assert shown == render.markdown_table(newest).strip()
+    assert shown == render.markdown_table(newest, str(newest_path.relative_to(ROOT))).strip()
