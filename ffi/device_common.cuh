@@ -460,6 +460,7 @@ struct DispatchSendArgs {
   const void* x; const float* scales; const int32_t* topk_ids; const int32_t* num_tokens; int32_t* status;
   const float* topk_weights = nullptr;  // [T, K] the combine's weights, given to dispatch (NVLink path): stored with
                                         // the ids rows into every rank's combine_weights (null: none)
+  bool quantize = false;  // x is bf16 [T, H] and the payload fp8: each row is quantized as it is sent (no scales)
 };
 struct DispatchRecvArgs {
   void* expert_x; float* expert_scales; int32_t* group_sizes; int32_t* row_origin; int32_t* status;

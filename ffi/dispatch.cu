@@ -120,7 +120,9 @@ cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, co
                             cudaStream_t stream) {
   if (!ctx.p2p) return cudaErrorNotSupported;  // the staged send is cooperative on its own: two kernels there
   const int wanted = std::max(dispatch_send_blocks(ctx.s), dispatch_recv_blocks(ctx.s));
-  if (ctx.ids_first) return launch_cooperative(dispatch_ids_first_kernel, wanted, ctx, send, recv, stream);
+  // Quantizing sends take the send-first order: the ids-first order's receive reads this rank's own rows from x.
+  if (ctx.ids_first && !send.quantize)
+    return launch_cooperative(dispatch_ids_first_kernel, wanted, ctx, send, recv, stream);
   return launch_cooperative(dispatch_kernel, wanted, ctx, send, recv, stream);
 }
 

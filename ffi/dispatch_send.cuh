@@ -13,6 +13,7 @@
 #pragma once
 
 #include "device_common.cuh"
+#include "quantize.cuh"
 
 namespace jmc {
 
@@ -50,11 +51,21 @@ __device__ inline int lane_dest(const Sizes& s, const int32_t* ids, int lane) {
   return lane < s.experts_per_token && live ? ids[lane] / s.local_experts : -1;
 }
 
+// Token t's bf16 row of x (a.quantize).
+__device__ inline const __nv_bfloat16* bf16_row(const Sizes& s, const DispatchSendArgs& a, int t) {
+  return static_cast<const __nv_bfloat16*>(a.x) + static_cast<size_t>(t) * s.hidden;
+}
+
 // Token t's stride at `row` (a peer's slot or this rank's staging): payload | fp32 scales | int32 t | int32 ids[K].
+// With a.quantize, `row` must be local memory (byte stores).
 __device__ inline void write_token_row(char* row, const Sizes& s, const DispatchSendArgs& a, int t, int lane) {
-  warp_copy(row, static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes, s.payload_bytes, lane);
-  if (s.scale_cols)
-    warp_copy(row + scales_offset(s), a.scales + static_cast<size_t>(t) * s.scale_cols, 4 * s.scale_cols, lane);
+  if (a.quantize) {
+    warp_quantize_row(row, reinterpret_cast<float*>(row + scales_offset(s)), bf16_row(s, a, t), s, lane);
+  } else {
+    warp_copy(row, static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes, s.payload_bytes, lane);
+    if (s.scale_cols)
+      warp_copy(row + scales_offset(s), a.scales + static_cast<size_t>(t) * s.scale_cols, 4 * s.scale_cols, lane);
+  }
   auto* header = reinterpret_cast<int32_t*>(row + header_offset(s));
   if (lane == 0) header[0] = t;
   if (lane < s.experts_per_token) header[1 + lane] = a.topk_ids[static_cast<size_t>(t) * s.experts_per_token + lane];
@@ -65,6 +76,8 @@ __device__ inline void write_token_row(char* row, const Sizes& s, const Dispatch
 // one for the scales: R1's fp8 rows, V2-Lite's bf16 ones) they are loaded once and stored to each rank: a
 // write_token_row per rank reloaded them, after the first rank's stores (the loads may not pass stores that could
 // alias them).
+// With a.quantize the row is quantized on the way (in registers; or, for other shapes, once into this rank's copy
+// of the slot, then copied to the peers' copies).
 __device__ inline void store_token_row(const Context& ctx, size_t slot, const DispatchSendArgs& a, int t, int lane,
                                        int dest_of_lane) {
   const Sizes& s = ctx.s;
@@ -72,15 +85,31 @@ __device__ inline void store_token_row(const Context& ctx, size_t slot, const Di
   const char* x = static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes;
   const float* scales = a.scales + static_cast<size_t>(t) * s.scale_cols;
   const int scale_bytes = 4 * s.scale_cols;
-  const uintptr_t scales_at = s.scale_cols ? reinterpret_cast<uintptr_t>(scales) : 0;  // no scales: any pointer
-  if (!RowInRegisters::fits(reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(x) | scales_at,
-                            s.payload_bytes, scale_bytes)) {
-    for (int d = 0; d < s.world; ++d)
-      if (__any_sync(0xffffffffu, dest_of_lane == d)) write_token_row(peer_ptr(ctx, row, d), s, a, t, lane);
+  const uintptr_t scales_at = s.scale_cols && !a.quantize ? reinterpret_cast<uintptr_t>(scales) : 0;  // else none
+  const uintptr_t x_at = a.quantize ? reinterpret_cast<uintptr_t>(bf16_row(s, a, t)) : reinterpret_cast<uintptr_t>(x);
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(row) | x_at | scales_at;
+  if (a.quantize ? !quantizes_in_registers(s, addresses)
+                 : !RowInRegisters::fits(addresses, s.payload_bytes, scale_bytes)) {
+    if (a.quantize) {  // quantized once, locally; then a copy per peer
+      write_token_row(row, s, a, t, lane);
+      __syncwarp();  // the lanes' bytes are visible to the whole warp before any lane copies them
+    }
+    for (int d = 0; d < s.world; ++d) {
+      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;
+      if (!a.quantize) {
+        write_token_row(peer_ptr(ctx, row, d), s, a, t, lane);
+      } else if (d != s.rank) {
+        warp_copy(peer_ptr(ctx, row, d), row, s.token_stride, lane);
+      }
+    }
     return;
   }
   RowInRegisters words;
-  words.load(x, s.payload_bytes, scales, scale_bytes, lane);
+  if (a.quantize) {
+    quantize_into(words, bf16_row(s, a, t), s, lane);
+  } else {
+    words.load(x, s.payload_bytes, scales, scale_bytes, lane);
+  }
   const int K = s.experts_per_token;
   const int id = lane < K ? a.topk_ids[static_cast<size_t>(t) * K + lane] : 0;
   for (int d = 0; d < s.world; ++d) {

@@ -41,10 +41,15 @@ int row_type(ffi::DataType t) {
   }
 }
 
+// A bf16 x into an fp8 MoEComm: its rows are quantized as they are sent (MoEComm.dispatch(..., quantize=...)).
+bool quantizes(const ffi::AnyBuffer& x, const Context& ctx) {
+  return x.element_type() == ffi::DataType::BF16 && ctx.s.scale_cols > 0;
+}
+
 // `after` is never read by any handler: an operand XLA must produce first, so the call runs after it (see
 // design.md, "FFI and ordering").
 ffi::Error DispatchSend(cudaStream_t stream,
-                        ffi::AnyBuffer x,                      // [T, H] payload (cfg.dtype)
+                        ffi::AnyBuffer x,                      // [T, H] payload (cfg.dtype), or bf16: quantized
                         ffi::Buffer<ffi::F32> scales,          // [T, H / B] fp8 scales, or [T, 0]
                         ffi::Buffer<ffi::S32> topk_ids,        // [T, K] expert ids, -1 for none
                         ffi::Buffer<ffi::S32> num_tokens,      // [] tokens of this rank that count
@@ -54,7 +59,10 @@ ffi::Error DispatchSend(cudaStream_t stream,
                         int64_t context) {
   DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                      status->typed_data(), topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
-  return with_context(context, "dispatch_send", [&](const Context& c) { return launch_dispatch_send(c, a, stream); });
+  return with_context(context, "dispatch_send", [&](const Context& c) {
+    a.quantize = quantizes(x, c);
+    return launch_dispatch_send(c, a, stream);
+  });
 }
 
 ffi::Error DispatchRecv(cudaStream_t stream,
@@ -102,7 +110,7 @@ ffi::Error CombineRecv(cudaStream_t stream,
 
 // The fused dispatch (NVLink path): dispatch_send's arguments, dispatch_recv's results and both statuses.
 ffi::Error Dispatch(cudaStream_t stream,
-                    ffi::AnyBuffer x,                                  // [T, H]
+                    ffi::AnyBuffer x,                                  // [T, H] cfg.dtype, or bf16: quantized
                     ffi::Buffer<ffi::F32> scales,                      // [T, H / B], or [T, 0]
                     ffi::Buffer<ffi::S32> topk_ids,                    // [T, K]
                     ffi::Buffer<ffi::S32> num_tokens,                  // []
@@ -120,7 +128,10 @@ ffi::Error Dispatch(cudaStream_t stream,
                         topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
   DispatchRecvArgs recv{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
                         row_origin->typed_data(), recv_status->typed_data()};
-  return with_context(context, "dispatch", [&](const Context& c) { return launch_dispatch(c, send, recv, stream); });
+  return with_context(context, "dispatch", [&](const Context& c) {
+    send.quantize = quantizes(x, c);
+    return launch_dispatch(c, send, recv, stream);
+  });
 }
 
 // The fused combine (NVLink path); `reduced`: pre-reduce on the expert side (partial rows in out's dtype);

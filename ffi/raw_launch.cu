@@ -34,7 +34,8 @@ int64_t optional_arg(const Args& a, const char* name) {
 DispatchSendArgs dispatch_send_args(const Args& a, const char* status) {  // topk_weights: given with the dispatch
   return {ptr<const void>(a, "x"), ptr<const float>(a, "scales"), ptr<const int32_t>(a, "topk_ids"),
           ptr<const int32_t>(a, "num_tokens"), ptr<int32_t>(a, status),
-          reinterpret_cast<const float*>(static_cast<intptr_t>(optional_arg(a, "topk_weights")))};
+          reinterpret_cast<const float*>(static_cast<intptr_t>(optional_arg(a, "topk_weights"))),
+          optional_arg(a, "quantize") != 0};  // x is bf16: quantized as sent
 }
 
 DispatchRecvArgs dispatch_recv_args(const Args& a, const char* status) {

@@ -10,6 +10,7 @@ from ._native import build_info
 from .comm import MoEComm, combine, dispatch
 from .config import MoECommConfig
 from .errors import MoECommError
+from .quantize import quantize_rows
 from .runtime import finalize, initialize
 from .types import CombineHandle, Dispatched
 
@@ -24,5 +25,6 @@ __all__ = [
     "dispatch",
     "finalize",
     "initialize",
+    "quantize_rows",
 ]
 __version__ = "0.1.0"

@@ -77,15 +77,21 @@ def dispatch(phases: Phases, x: Array, topk_ids: Array, scales: Array | None, nu
 
 def _dispatch_fwd(phases, x, topk_ids, scales, num_tokens, topk_weights=None):
     d = phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
-    return d, d.handle
+    quantized = np.dtype(x.dtype) != phases.geo.cfg.dtype  # dispatch(..., quantize=...): bf16 x, fp8 rows
+    # x's dtype, and for a quantizing dispatch the scales: the rows' gradient w.r.t. x passes the quantization
+    # straight through (x ~ expert_x * scale, so d/dx = d/d expert_x / scale).
+    return d, (d.handle, jnp.zeros((0,), x.dtype), d.expert_scales if quantized else None)
 
 
 def _dispatch_bwd(phases, residuals, ct: Dispatched):
     cfg = phases.geo.cfg
-    handle = residuals
-    rows = ct.expert_x.astype(cfg.out_dtype)  # combine carries rows no wider than out_dtype
+    handle, x_dtype, quantized_scales = residuals[0], residuals[1].dtype, residuals[2]
+    rows = ct.expert_x
+    if quantized_scales is not None:
+        rows = rows.astype(jnp.float32) / jnp.repeat(quantized_scales, cfg.scale_block, axis=1)
+    rows = rows.astype(cfg.out_dtype)  # combine carries rows no wider than out_dtype
     live = (handle.topk_ids >= 0).astype(jnp.float32)  # combine drops dead slots and tokens >= num_tokens itself
-    dx = phases.backward().combine(rows, handle, live).astype(cfg.dtype)  # x's cotangent has x's dtype
+    dx = phases.backward().combine(rows, handle, live).astype(x_dtype)  # x's cotangent has x's dtype
     dp = cfg.dp_size
     if dp > 1:  # every replica received the group's dx; each replica's x only sent the tokens it owns
         own = jnp.arange(cfg.max_tokens) % dp == jax.lax.axis_index(phases.geo.axis_name) % dp

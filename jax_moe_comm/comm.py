@@ -18,7 +18,7 @@ from jax import Array
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import autodiff, nvshmem_backend, reference, runtime
+from . import autodiff, load, nvshmem_backend, reference, runtime
 from .config import Geometry, MoECommConfig, Options
 from .types import CombineHandle, Dispatched
 
@@ -150,11 +150,12 @@ class MoEComm:
     replicated) is sliced locally, with no communication besides the EP exchange.
 
     One MoEComm carries one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv, then
-    the next dispatch. Data dependencies give XLA that order within a round trip (and, with custom_vjp, between
-    the forward and backward round trips); independent round trips need a MoEComm each (e.g. one per layer, and
-    separate ones for two models in one step). On the NVSHMEM backend a phase that runs out of this order does
-    nothing and the round trip fails with an "expected <phase>" MoECommError; the reference backend has no
-    buffers to share and accepts any order.
+    the next dispatch. Data dependencies give XLA that order within a round trip, between the layers of a model and
+    between the forward and backward round trips (with custom_vjp; under jax.checkpoint the round trips are not
+    recomputed), so one MoEComm serves every layer of a model: its symmetric memory does not grow with depth.
+    Round trips that no data orders need a MoEComm each (e.g. two models computed side by side in one step). On the
+    NVSHMEM backend a phase that runs out of this order does nothing and the round trip fails with an "expected
+    <phase>" MoECommError; the reference backend has no buffers to share and accepts any order.
     """
 
     def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str | tuple[str, ...] = "ep",
@@ -196,7 +197,7 @@ class MoEComm:
             impl, plan = reference, self._geo
         # The buffers of an fp8 layer's backward round trip (see autodiff.py), in grad_dtype.
         self._grad_comm = None if grad_dtype is None else MoEComm(
-            dataclasses.replace(cfg, dtype=grad_dtype, scale_block=None, capacity=self.capacity), mesh, ep_axes,
+            cfg.gradient_config(self.world, grad_dtype), mesh, ep_axes,
             backend=self.backend, batch_axes=self.batch_axes, custom_vjp=False, **dataclasses.asdict(options))
         self._phases = autodiff.Phases(impl, plan, self._geo, self.combine_weights_at,
                                        None if self._grad_comm is None else self._grad_comm._phases)
@@ -260,10 +261,14 @@ class MoEComm:
 
     @property
     def symmetric_bytes(self) -> int:
-        """NVSHMEM symmetric heap this config takes per GPU on the NVSHMEM backend (0 bytes are used by the
-        reference backend; the figure is reported for sizing NVSHMEM_SYMMETRIC_SIZE)."""
+        """NVSHMEM symmetric heap this MoEComm takes per GPU on the NVSHMEM backend: what it allocated (with the
+        staging buffers only where a peer is off NVLink or ``staged=True``). The reference backend uses none; it
+        reports the figure of a job on NVLink, for sizing NVSHMEM_SYMMETRIC_SIZE. One MoEComm serves every layer of
+        a model, so this is the model's heap (with an fp8 payload's grad_dtype buffer set included)."""
         grad = self._grad_comm.symmetric_bytes if self._grad_comm is not None else 0
-        return nvshmem_backend.symmetric_bytes(self.cfg, self.world) + grad
+        if self.backend == "nvshmem" and self._phases is not None:
+            return nvshmem_backend.plan_bytes(self._phases.plan) + grad
+        return nvshmem_backend.symmetric_bytes(self.cfg, self.world, staging=self.options.staged) + grad
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())
@@ -272,16 +277,25 @@ class MoEComm:
                 f"custom_vjp={self.custom_vjp}, grad_dtype={self.grad_dtype}, {options}, cfg={self.cfg})")
 
     # Argument checks ---------------------------------------------------------------------------------
-    def _check_dispatch_args(self, x, topk_ids, scales, num_tokens):
+    def _check_dispatch_args(self, x, topk_ids, scales, num_tokens, quantize=None):
         c = self.cfg
-        _check_array("x", x, (c.max_tokens, c.hidden), (c.dtype,))
+        if quantize is not None:
+            if not c.is_fp8 or np.dtype(quantize) != c.dtype:
+                raise ValueError("quantize must be the MoEComm's fp8 payload dtype (MoECommConfig(dtype="
+                                 f"jnp.float8_e4m3fn)); got quantize={np.dtype(quantize).name} with dtype "
+                                 f"{c.dtype.name}")
+            _check_array("x", x, (c.max_tokens, c.hidden), (jnp.bfloat16,), "bfloat16 (quantize takes bf16 rows)")
+            if scales is not None:
+                raise ValueError("scales must be None with quantize: the dispatch computes them")
+        else:
+            _check_array("x", x, (c.max_tokens, c.hidden), (c.dtype,))
         _check_array("topk_ids", topk_ids, (c.max_tokens, c.experts_per_token), (jnp.int32,))
-        if c.is_fp8:
+        if c.is_fp8 and quantize is None:
             if scales is None:
                 raise ValueError("scales is required for float8_e4m3fn payloads: "
                                  "float32 [max_tokens, hidden // scale_block]")
             _check_array("scales", scales, (c.max_tokens, c.scale_cols), (jnp.float32,))
-        elif scales is not None:
+        elif scales is not None and not c.is_fp8:
             raise ValueError(f"scales is only for float8_e4m3fn payloads; dtype is {c.dtype.name}")
         if num_tokens is None:
             return jnp.int32(c.max_tokens)
@@ -318,35 +332,45 @@ class MoEComm:
 
     # Per-shard API (inside shard_map over the mesh: the EP axes at least) -------------------------------
     def dispatch_send(self, x: Array, topk_ids: Array, scales: Array | None = None,
-                      num_tokens: Array | None = None, topk_weights: Array | None = None):
+                      num_tokens: Array | None = None, topk_weights: Array | None = None, quantize: Any = None):
         """Starts sending tokens to their experts' ranks; returns a pending pytree for ``dispatch_recv``.
 
-        x: [max_tokens, H] cfg.dtype; topk_ids: int32 [max_tokens, K] in [-1, E); scales: float32
-        [max_tokens, H // B] (fp8 only); num_tokens: int32 scalar, rows >= num_tokens are ignored;
-        topk_weights: float32 [max_tokens, K] or None, the combine's weights sent now (see ``dispatch``).
+        x: [max_tokens, H] cfg.dtype (bfloat16 with ``quantize``); topk_ids: int32 [max_tokens, K] in [-1, E);
+        scales: float32 [max_tokens, H // B] (fp8 only, none with ``quantize``); num_tokens: int32 scalar, rows >=
+        num_tokens are ignored; topk_weights: float32 [max_tokens, K] or None, the combine's weights sent now (see
+        ``dispatch``); quantize: see ``dispatch``.
         """
-        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens)
+        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens, quantize)
         if topk_weights is not None:
             self._check_weights(topk_weights)
         return self._phases.impl.dispatch_send(self._phases.plan, x, topk_ids, scales, num_tokens, topk_weights)
 
     def dispatch_recv(self, pending) -> Dispatched:
         """Waits for the rows of ``dispatch_send`` and returns them packed by local expert."""
-        return self._phases.impl.dispatch_recv(self._phases.plan, pending)
+        return load.with_load(self._geo, self._phases.impl.dispatch_recv(self._phases.plan, pending))
 
     def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None,
-                 num_tokens: Array | None = None, topk_weights: Array | None = None) -> Dispatched:
+                 num_tokens: Array | None = None, topk_weights: Array | None = None,
+                 quantize: Any = None) -> Dispatched:
         """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout. Differentiable (see custom_vjp).
 
         topk_weights (float32 [max_tokens, K], optional): the combine's weights, given here instead of to combine
         (they land in ``handle.topk_weights``, and combine then takes none). The NVSHMEM backend's NVLink path sends
-        them with the tokens' ids, so its pre-reduced combine need not exchange them (one signal round trip less)."""
-        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens)
+        them with the tokens' ids, so its pre-reduced combine need not exchange them (one signal round trip less).
+
+        quantize (``jnp.float8_e4m3fn``, for an fp8 MoEComm): x is bfloat16 and the dispatch quantizes it, with block
+        scales of ``scale_block``: the same expert_x / expert_scales as ``dispatch(*quantize_rows(x, scale_block),
+        ...)`` (jax_moe_comm.quantize), bit for bit. The NVSHMEM kernels quantize each row as they send it, so no
+        XLA op of its own runs. Gradients pass the quantization straight through to x (``grad_dtype`` as for fp8; the
+        cotangent of the fp8 expert_x is fp8, as JAX gives a cotangent its primal's dtype)."""
+        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens, quantize)
         if topk_weights is not None:
             self._check_weights(topk_weights)
         if self.custom_vjp:
-            return autodiff.dispatch(self._phases, x, topk_ids, scales, num_tokens, topk_weights)
-        return self._phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
+            d = autodiff.dispatch(self._phases, x, topk_ids, scales, num_tokens, topk_weights)
+        else:
+            d = self._phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
+        return load.with_load(self._geo, d)
 
     def combine_send(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None):
         """Starts sending expert outputs [capacity, H] back to their tokens' ranks (bf16/fp16/fp32, no wider
@@ -429,15 +453,16 @@ def _check_global_num_tokens(comm: MoEComm, num_tokens: Any) -> None:
 
 
 def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None = None,
-             num_tokens: Array | None = None, topk_weights: Array | None = None) -> Dispatched:
+             num_tokens: Array | None = None, topk_weights: Array | None = None, quantize: Any = None) -> Dispatched:
     """Global-view dispatch on arrays sharded ``comm.batch_spec`` on dim 0 (usable inside ``jit``).
 
     With N = ``comm.num_shards`` (= world on a mesh of the EP axes only; block ``g * world + r`` is EP rank r of
     batch coordinate g): x [N * max_tokens, H]; topk_ids int32 [N * max_tokens, K]; scales float32
     [N * max_tokens, H // B] (fp8); num_tokens int32 [N] (one count per block) or None; topk_weights float32
-    [N * max_tokens, K] or None (see MoEComm.dispatch).
+    [N * max_tokens, K] or None; quantize (see MoEComm.dispatch).
     Returns a Dispatched whose arrays are the per-shard results concatenated in block order:
-    expert_x [N * capacity, H], group_sizes [N * L], handle.row_origin [N * capacity], handle.num_tokens [N].
+    expert_x [N * capacity, H], group_sizes [N * L], handle.row_origin [N * capacity], handle.num_tokens [N],
+    expert_counts [N * E] (every block the same counts), dropped_rows [N].
     """
 
     for name, value in (("x", x), ("topk_ids", topk_ids), ("scales", scales), ("topk_weights", topk_weights)):
@@ -447,7 +472,7 @@ def dispatch(comm: MoEComm, x: Array, topk_ids: Array, scales: Array | None = No
 
     def shard_fn(x, topk_ids, scales, num_tokens, topk_weights):
         count = None if num_tokens is None else num_tokens.reshape(())
-        return comm.dispatch(x, topk_ids, scales, count, topk_weights)
+        return comm.dispatch(x, topk_ids, scales, count, topk_weights, quantize)
 
     return _per_shard(comm, shard_fn, x, topk_ids, scales, num_tokens, topk_weights)
 

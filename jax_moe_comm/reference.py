@@ -23,6 +23,7 @@ from jax import Array
 
 from . import errors
 from .config import Geometry, round_up
+from .quantize import quantize_rows
 from .types import CombineHandle, Dispatched, pytree_dataclass
 
 
@@ -93,9 +94,12 @@ def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None
     """Counts rows per destination rank and packs them into per-peer staging slots, then transfers.
 
     Ordering inside a destination's staging is by (token, slot), so the receiver's layout is deterministic.
-    Replica j of a DP group sends tokens i with i % dp_size == j. topk_weights, if given, go into the handle.
+    Replica j of a DP group sends tokens i with i % dp_size == j. topk_weights, if given, go into the handle. A bf16
+    x of an fp8 MoEComm is quantized first (MoEComm.dispatch's quantize).
     """
     T, K = geo.T, geo.K
+    if geo.cfg.is_fp8 and x.dtype == jnp.bfloat16:  # dispatch(..., quantize=...): the kernels' quantization
+        x, scales = quantize_rows(x, geo.cfg.scale_block)
     rank = jax.lax.axis_index(geo.axis_name)
     token = jnp.arange(T, dtype=jnp.int32)
     live = token < num_tokens
@@ -125,7 +129,7 @@ def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None
 
 def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
     """Packs arrived rows by (local expert, source DP group, token), pads each expert to `align`, and writes
-    the handle. Rows past `capacity` are dropped and fail the call."""
+    the handle. Rows past `capacity` are dropped and, unless the config's overflow policy is "drop", fail the call."""
     T, K, L = geo.T, geo.K, geo.L
     meta = p.recv_meta.reshape(-1)
     arrived = meta >= 0
@@ -144,7 +148,8 @@ def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
     row = jnp.where(row < geo.capacity, row, geo.capacity)  # overflowing rows are dropped, never written
 
     needed = jnp.sum(group_sizes)
-    overflow = errors.status(jnp.where(needed > geo.capacity, errors.CAPACITY_OVERFLOW, 0), 1,
+    overflows = (needed > geo.capacity) & (geo.cfg.overflow == "error")  # "drop": dropped, not failed
+    overflow = errors.status(jnp.where(overflows, errors.CAPACITY_OVERFLOW, 0), 1,
                              jax.lax.axis_index(geo.axis_name), needed, geo.capacity)
 
     origin = jnp.where(arrived, (src_group * T + token) * K + slot, -1)[order]

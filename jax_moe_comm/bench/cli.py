@@ -31,7 +31,7 @@ from .configs import (
     make_tokens,
     seeded,
 )
-from .impls import ALL_BACKENDS, PROBES, UNCHECKED
+from .impls import ALL_BACKENDS, PROBES, QUANTIZE, UNCHECKED
 from .measure import Progress, Row, available_backends, bench_backend, start_nvshmem, to_global
 from .record import command_line, format_table, git_commit, plot_record
 
@@ -56,7 +56,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default=None,
                    help=f"comma-separated, of {','.join(ALL_BACKENDS)} (default: every one available here but the "
-                        f"probes, {' and '.join(PROBES)}, and {UNCHECKED})")
+                        f"probes, {' and '.join(PROBES)}, {UNCHECKED} and {QUANTIZE})")
     p.add_argument("--configs", default="r1,v2lite", help="comma-separated, of r1,v2lite (default both)")
     p.add_argument("--tokens", default=None,
                    help=f"tokens per rank, comma-separated (default {','.join(map(str, DEFAULT_TOKENS))})")
@@ -109,11 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     world = mesh.size
 
-    wants_nvshmem = args.backends is None or bool({"nvshmem", UNCHECKED, *PROBES} & set(args.backends))
+    wants_nvshmem = args.backends is None or bool({"nvshmem", UNCHECKED, QUANTIZE, *PROBES} & set(args.backends))
     nvshmem_reason = start_nvshmem(wants_nvshmem, args.config_list, args.tokens, mesh)
     available, why_not = available_backends(mesh, nvshmem_reason)
     # The probes only when named: they are not round trips.
-    backends = args.backends if args.backends is not None else [b for b in available if b not in (*PROBES, UNCHECKED)]
+    backends = args.backends if args.backends is not None else [b for b in available
+                                                                 if b not in (*PROBES, UNCHECKED, QUANTIZE)]
     # The reference backend first: the others are checked against its result.
     backends = sorted(backends, key=lambda b: b != "reference")
     if leader:

@@ -3,6 +3,8 @@ baselines and the floor probes."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import jax_moe_comm
@@ -10,8 +12,10 @@ import jax_moe_comm
 from . import baselines, probes
 from .configs import AXIS, BenchConfig
 
-ALL_BACKENDS = ("nvshmem", "nvshmem_unchecked", "reference", "ragged", "padded", "floor", "floor_flagged")
+ALL_BACKENDS = ("nvshmem", "nvshmem_unchecked", "nvshmem_quantize", "reference", "ragged", "padded", "floor",
+                "floor_flagged")
 UNCHECKED = "nvshmem_unchecked"  # MoEComm(backend="nvshmem", check_errors=False): the price of the default check
+QUANTIZE = "nvshmem_quantize"  # fp8 configs: bf16 tokens, quantized by the dispatch kernels (dispatch(quantize=...))
 PROBES = ("floor", "floor_flagged")  # not round trips: run only when named, their results not checked
 
 
@@ -20,6 +24,10 @@ class Impl:
 
     name = ""
     halves = True  # whether dispatch and combine may run (and be timed) on their own
+
+    def inputs(self, x, scales):
+        """The chain's (x, scales) from the config's tokens, made once outside the timed chain."""
+        return x, scales
 
     def dispatch(self, x, scales, ids, w):
         raise NotImplementedError
@@ -32,19 +40,32 @@ class Impl:
 
 
 class CommImpl(Impl):
-    """MoEComm, backend "nvshmem" or "reference"; "nvshmem_unchecked": nvshmem with check_errors=False."""
+    """MoEComm, backend "nvshmem" or "reference"; "nvshmem_unchecked": nvshmem with check_errors=False;
+    "nvshmem_quantize": nvshmem fed bf16 tokens (the config's fp8 ones dequantized) that its dispatch quantizes."""
 
     def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool,
                  weights_to: str = "combine", options: dict | None = None) -> None:
         self.name = name
-        backend = "nvshmem" if name == UNCHECKED else name
+        backend = "nvshmem" if name in (UNCHECKED, QUANTIZE) else name
         self.halves = backend != "nvshmem"
         self.weights_to = weights_to  # "dispatch": the weights go with dispatch, combine takes none
-        self.comm = jax_moe_comm.MoEComm(cfg.moe_config(tokens), mesh, AXIS, backend=backend,
+        moe = cfg.moe_config(tokens)
+        if name == QUANTIZE and not moe.is_fp8:
+            raise ValueError(f"{QUANTIZE} needs an fp8 config; {cfg.name} is {moe.dtype.name}")
+        self.quantize = moe.dtype if name == QUANTIZE else None
+        self.block = moe.scale_block
+        self.comm = jax_moe_comm.MoEComm(moe, mesh, AXIS, backend=backend,
                                          check_errors=check_errors and name != UNCHECKED, **(options or {}))
 
+    def inputs(self, x, scales):
+        if self.quantize is None:
+            return x, scales
+        rows = x.astype(jnp.float32) * jnp.repeat(scales, self.block, axis=1)
+        return jax.jit(lambda r: r.astype(jnp.bfloat16))(rows), None
+
     def dispatch(self, x, scales, ids, w):
-        d = self.comm.dispatch(x, ids, scales, topk_weights=w if self.weights_to == "dispatch" else None)
+        d = self.comm.dispatch(x, ids, scales, topk_weights=w if self.weights_to == "dispatch" else None,
+                               quantize=self.quantize)
         return d.expert_x, d.expert_scales, (d.group_sizes, d.handle)
 
     def combine(self, expert_y, aux, w):
@@ -104,6 +125,6 @@ def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors
     """`options`: MoEComm keyword options (staged, timeout_s, the thresholds) of the MoEComm backends."""
     if name in PROBES:
         return FloorImpl(cfg, tokens, mesh, flagged=name == "floor_flagged")
-    if name in ("nvshmem", UNCHECKED, "reference"):
+    if name in ("nvshmem", UNCHECKED, QUANTIZE, "reference"):
         return CommImpl(name, cfg, tokens, mesh, check_errors, weights_to, options)
     return BaselineImpl(name, cfg)

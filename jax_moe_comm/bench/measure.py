@@ -20,7 +20,7 @@ from jax_moe_comm import runtime
 
 from .chains import combine_chain, dispatch_chain, lower_chain, merged_steps, per_step_us, round_trip_chain
 from .configs import AXIS, TOLERANCE, Array, BenchConfig, round_trip_bytes
-from .impls import ALL_BACKENDS, PROBES, UNCHECKED, BaselineImpl, make_impl
+from .impls import ALL_BACKENDS, PROBES, QUANTIZE, UNCHECKED, BaselineImpl, make_impl
 
 NVSHMEM_MIN_HEAP = 1 << 30
 COMPILE_THREADS = max(1, min(6, (os.cpu_count() or 1) // 4))  # XLA compiles use several cores each
@@ -169,7 +169,7 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
         return row
 
     routing = inputs["routing"]
-    x, scales = inputs["x"], inputs["scales"]
+    x, scales = impl.inputs(inputs["x"], inputs["scales"])
 
     def device_args(r):
         ids, w = routing(r)
@@ -270,7 +270,7 @@ def available_backends(mesh: Mesh, nvshmem_reason: str | None) -> tuple[list[str
     """(backends that can run here, {backend: why not} for the others)."""
     why_not = {}
     if nvshmem_reason is not None:
-        why_not.update(dict.fromkeys(("nvshmem", UNCHECKED, *PROBES), nvshmem_reason))
+        why_not.update(dict.fromkeys(("nvshmem", UNCHECKED, QUANTIZE, *PROBES), nvshmem_reason))
     # ragged_all_to_all: XLA:CPU cannot compile it; XLA:GPU with one GPU per process runs it only through its NCCL
     # send/recv fallback, which is off by default (the call fails at run time). Probe with a tiny round trip.
     error = None

@@ -44,6 +44,11 @@ from jax_moe_comm.nvshmem_backend import kernel_sizes, row_type  # noqa: E402
 
 C = jmc.MoECommConfig
 IDS_FIRST = {"ids_first_min_tokens": 1}  # MoEComm options
+QUANTIZE = {"quantize": True}  # the case's x is bf16, quantized by the dispatch (not a MoEComm option)
+
+
+def FP8(num_experts, k, hidden, max_tokens, block):  # noqa: N802 (a config maker, like C)
+    return C(num_experts, k, hidden, max_tokens, dtype=jnp.float8_e4m3fn, scale_block=block)
 CASES = {
     "fp32 K2": (C(8, 2, 128, 16, dtype=jnp.float32, out_dtype=jnp.float32), "uniform"),
     "bf16 K8 E32": (C(32, 8, 256, 32, dtype=jnp.bfloat16), "uniform"),
@@ -61,6 +66,24 @@ CASES = {
     "ids first: fp8+scales K8": (C(32, 8, 512, 16, dtype=jnp.float8_e4m3fn, scale_block=128), "uniform", IDS_FIRST),
     "ids first: skewed": (C(8, 3, 64, 32, dtype=jnp.bfloat16), "skewed", IDS_FIRST),
     "ids first: -1 slots": (C(8, 4, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32), "dropped", IDS_FIRST),
+    # overflow="drop": every token to expert 0, a capacity of 20 rows (with align 4): the rows past it are dropped
+    # as the reference drops them, their slots add nothing, and nothing fails.
+    "drop: skewed past capacity": (C(8, 3, 64, 32, dtype=jnp.bfloat16, capacity=20, align=4, overflow="drop"),
+                                   "skewed"),
+    "drop: skewed past capacity, staged puts": (C(8, 3, 64, 32, dtype=jnp.bfloat16, capacity=20, align=4,
+                                                  overflow="drop"), "skewed", {"staged": True}),
+    "drop: ids first, capacity factor 1": (C(8, 3, 64, 32, dtype=jnp.bfloat16, capacity_factor=1.0, overflow="drop"),
+                                           "skewed", IDS_FIRST),
+    # dispatch(..., quantize=float8_e4m3fn): bf16 rows quantized as they are sent, against the reference quantizer:
+    # in registers (B 128, R1's shape), in registers with a block of one 16-element word per lane (B 16), the
+    # generic path (B 96: not a power of two of words), staged puts (quantized into staging), and ids-first
+    # options (quantizing dispatches send first).
+    "quantize: B128 K8": (FP8(32, 8, 512, 16, 128), "uniform", QUANTIZE),
+    "quantize: B128 H7168": (FP8(16, 4, 7168, 16, 128), "uniform", QUANTIZE),
+    "quantize: B16": (FP8(16, 4, 256, 16, 16), "dropped", QUANTIZE),
+    "quantize: B96, generic": (FP8(8, 2, 384, 16, 96), "skewed", QUANTIZE),
+    "quantize: staged puts": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, "staged": True}),
+    "quantize: ids first": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, **IDS_FIRST}),
 }
 TOO_SLOW_UNDER_SANITIZER = {"many tokens: several batches per block"}
 WEIGHTS_AT = {"send": "at combine_send", "recv": "at combine_recv", "dispatch": "given to dispatch_send"}
@@ -124,8 +147,9 @@ def create_context(cfg, world, rank, pes=None, **options):
     return create_backend_context(cfg, world, rank, opts, pes), sizes
 
 
-def reference_round_trip(cfg, world, x, ids, w, scales, counts):
-    """The reference backend over `world` local CPU devices: (expert_x, scales, group_sizes, row_origin, y), global."""
+def reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize=False):
+    """The reference backend over `world` local CPU devices: (expert_x, scales, group_sizes, row_origin, y), global.
+    `quantize`: x is bf16 and the fp8 dispatch quantizes it (scales None)."""
     mesh = Mesh(np.array(jax.local_devices()[:world]), ("ep",))
     comm = jmc.MoEComm(cfg, mesh, "ep", backend="reference", check_errors=False)  # a failed one gives NaN
 
@@ -134,26 +158,29 @@ def reference_round_trip(cfg, world, x, ids, w, scales, counts):
 
     @jax.jit
     def round_trip(x, ids, scales, n, w):
-        d = jmc.dispatch(comm, x, ids, scales, n)
+        d = jmc.dispatch(comm, x, ids, scales, n, quantize=cfg.dtype if quantize else None)
         y = (d.expert_x.astype(jnp.float32) * 1.5).astype(cfg.out_dtype)  # the stand-in expert of the GPU cases
         return d.expert_x, d.expert_scales, d.group_sizes, d.handle.row_origin, jmc.combine(comm, y, d.handle, w)
 
-    out = round_trip(put(x.astype(cfg.dtype)), put(ids), put(scales), put(counts), put(w))
+    out = round_trip(put(x.astype(jnp.bfloat16 if quantize else cfg.dtype)), put(ids), put(scales), put(counts),
+                     put(w))
     return jax.tree.map(np.asarray, out)
 
 
-def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
+def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, quantize=False):
     """This rank's inputs on the device, zeroed outputs (expert_y too), and the four phases' launch_phase arguments
     with the weights at combine_send (`weights_at` "send": pre-reduced on the NVLink path, as the backend does), at
     combine_recv (rows per slot), or given to dispatch_send ("dispatch", NVLink path: stored with the ids on every
     rank, then pre-reduced with no exchange in combine_send). Returns (phase arguments in phase order, {output name:
-    device pointer}); `fused` turns the first into the two fused kernels' arguments."""
+    device pointer}); `fused` turns the first into the two fused kernels' arguments. `quantize`: x goes in as bf16
+    and dispatch_send quantizes it (no scales)."""
     reduced = p2p and weights_at in ("send", "dispatch")
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
     status = [mem.alloc(4 * errors.STATUS_WORDS) for _ in range(4)]
-    x_d, ids_d, w_d, n_d = mem.put(x.astype(cfg.dtype)), mem.put(ids), mem.put(w), mem.put(np.int32([n]))
-    scales_d = mem.put(scales if scales is not None else np.zeros((T, 0), np.float32))
+    x_d = mem.put(x.astype(jnp.bfloat16 if quantize else cfg.dtype))
+    ids_d, w_d, n_d = mem.put(ids), mem.put(w), mem.put(np.int32([n]))
+    scales_d = mem.put(scales if scales is not None and not quantize else np.zeros((T, 0), np.float32))
     out = dict(expert_x=mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize),
                expert_scales=mem.alloc(cap * cfg.scale_cols * 4), group_sizes=mem.alloc(L * 4),
                row_origin=mem.alloc(cap * 4),
@@ -162,7 +189,8 @@ def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at):
     code = row_type(cfg.out_dtype)
     sent = p2p and weights_at == "dispatch"
     args = [
-        dict(x=x_d, scales=scales_d, topk_ids=ids_d, num_tokens=n_d, status=status[0], topk_weights=w_d if sent else 0),
+        dict(x=x_d, scales=scales_d, topk_ids=ids_d, num_tokens=n_d, status=status[0], topk_weights=w_d if sent else 0,
+             quantize=int(quantize)),
         dict(expert_x=out["expert_x"], expert_scales=out["expert_scales"], group_sizes=out["group_sizes"],
              row_origin=out["row_origin"], status=status[1]),
         dict(expert_y=out["expert_y"], elem_bytes=np.dtype(cfg.out_dtype).itemsize, row_origin=out["row_origin"],
@@ -190,14 +218,14 @@ def round_trip_launches(args, fused):
     return [list(zip(PHASES[:2], args[:2], strict=True)), list(zip(PHASES[2:], args[2:], strict=True))]
 
 
-def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, fused=False):
+def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, fused=False, quantize=False):
     """This rank's round trip through the four kernels, or the two fused ones (legacy default stream): the same
     outputs, this rank's part. The stand-in expert runs on the host between dispatch and combine."""
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
     mem = DeviceArrays()
     try:
-        args, out = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at)
+        args, out = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, quantize)
         ext = _native.ext
         dispatch, combine = round_trip_launches(args, fused)
         for phase, a in dispatch:
@@ -218,13 +246,17 @@ def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, fu
 
 
 def run_entry(case, rank, world, seed):
-    """A CASES entry (cfg, routing kind[, MoEComm options]) through run_case."""
+    """A CASES entry (cfg, routing kind[, MoEComm options, with QUANTIZE: bf16 x quantized by the dispatch]) through
+    run_case."""
     cfg, kind, *options = case
-    return run_case(rank, world, seed, cfg, kind, options=options[0] if options else {})
+    options = dict(options[0]) if options else {}
+    quantize = bool(options.pop("quantize", False))
+    return run_case(rank, world, seed, cfg, kind, options=options, quantize=quantize)
 
 
-def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None):
-    """One case on this rank of `world` ranks (the EP group of PEs `pes`, by rank; default every PE)."""
+def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, quantize=False):
+    """One case on this rank of `world` ranks (the EP group of PEs `pes`, by rank; default every PE). `quantize`:
+    x is bf16 and the fp8 dispatch quantizes it, against the reference quantizer."""
     rng = np.random.default_rng(seed)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
     x = rng.standard_normal((world * T, H)).astype(np.float32)
@@ -232,7 +264,10 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None):
     w = rng.random((world * T, K)).astype(np.float32)
     counts = np.full(world, T, np.int32)
     scales = (rng.random((world * T, cfg.scale_cols)) + 0.5).astype(np.float32) if cfg.is_fp8 else None
-    ref = reference_round_trip(cfg, world, x, ids, w, scales, counts)
+    if quantize:
+        scales = None
+        x[:: max(T // 3, 1), : cfg.scale_block] = 0.0  # some all-zero blocks (scale 1)
+    ref = reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize)
     ctx, sizes = create_context(cfg, world, rank, pes, **(options or {}))
     try:
         p2p = bool(_native.ext.context_p2p(ctx))
@@ -245,7 +280,7 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None):
         for fused in (False, True)[:2 if p2p else 1]:
             for weights_at in (("send", "dispatch", "recv") if p2p else ("recv",)) * repeats:
                 got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
-                                        None if scales is None else scales[rows], T, weights_at, fused)
+                                        None if scales is None else scales[rows], T, weights_at, fused, quantize)
                 used, err = check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at)
                 y = got[4]
                 if fused:  # the same device code as the four kernels: the same sums, bit for bit
@@ -289,6 +324,9 @@ def check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at):
     expert_x, expert_scales, group_sizes, row_origin, y, status = got
     assert all(not s.any() for s in status), f"status words {status}"
     ref_sizes = ref[2][rank * L:(rank + 1) * L]
+    if cfg.overflow == "drop":  # the kernels give the layout's sizes; MoEComm cuts them at capacity (load.py)
+        end = np.cumsum(group_sizes)
+        group_sizes = np.clip(end, 0, cap) - np.clip(end - group_sizes, 0, cap)
     assert np.array_equal(group_sizes, ref_sizes), "group_sizes differ"
     assert np.array_equal(row_origin, ref[3][rank * cap:(rank + 1) * cap]), "row_origin differs"
     used = int(ref_sizes.sum())

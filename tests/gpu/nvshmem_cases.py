@@ -70,10 +70,11 @@ def gather(tree):
     return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
 
 
-def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_to="combine"):
-    """Both backends on the same round trip (nvshmem's split halves too): layout bit for bit, combine within the
-    dtype's tolerance. weights_to="dispatch": the weights go with dispatch (into the handle) and combine takes none;
-    the NVSHMEM result then also equals, bit for bit, its result with the weights given to combine."""
+def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_to="combine", quantize=False):
+    """Both backends on the same round trip (nvshmem's split halves too): layout and load counts bit for bit,
+    combine within the dtype's tolerance. weights_to="dispatch": the weights go with dispatch (into the handle) and
+    combine takes none; the NVSHMEM result then also equals, bit for bit, its result with the weights given to
+    combine. quantize: x is bf16 and the fp8 dispatch quantizes it (dispatch(..., quantize=...))."""
     world = mesh.shape["ep"]
     if world < 2 and (kind == "rank0_only" or cfg.dp_size > 1):
         raise Skip("needs two ranks")
@@ -87,9 +88,12 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
     x, ids, w = (replicate_groups(a, world, cfg.dp_size, T) for a in (x, ids, w))
     counts = replicate_groups(counts.astype(np.int32).reshape(world, 1), world, cfg.dp_size, 1).reshape(world)
     scales = None
-    if cfg.is_fp8:
+    if cfg.is_fp8 and not quantize:
         scales = to_global(mesh, (rng.random((rows, cfg.scale_cols)) + 0.5).astype(np.float32))
-    xg = to_global(mesh, x.astype(cfg.dtype))
+    if quantize:
+        x[:: max(T // 3, 1), : cfg.scale_block] = 0.0  # some all-zero blocks (scale 1)
+    xg = to_global(mesh, x.astype(jnp.bfloat16 if quantize else cfg.dtype))
+    to_fp8 = cfg.dtype if quantize else None
     ids_g, w_g, n_g = to_global(mesh, ids), to_global(mesh, w), to_global(mesh, counts)
 
     results = {}
@@ -98,7 +102,7 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
 
         def round_trip(comm, to):
             def f(x, ids, scales, n, w):
-                d = jmc.dispatch(comm, x, ids, scales, n, w if to == "dispatch" else None)
+                d = jmc.dispatch(comm, x, ids, scales, n, w if to == "dispatch" else None, quantize=to_fp8)
                 y = (d.expert_x.astype(jnp.float32) * 1.5).astype(cfg.out_dtype)  # stand-in expert
                 return d, jmc.combine(comm, y, d.handle, None if to == "dispatch" else w)
             return jax.jit(f)
@@ -110,8 +114,8 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
             assert np.array_equal(results[backend][1].view(np.uint8), y_there.view(np.uint8)), \
                 "weights given to dispatch: a result other than with the weights given to combine"
             def split(at, comm=comm):
-                f = jax.shard_map(lambda x, ids, sc, n, w: split_halves(comm, x, ids, sc, n, w, at), mesh=mesh,
-                                  in_specs=P("ep"), out_specs=P("ep"))
+                f = jax.shard_map(lambda x, ids, sc, n, w: split_halves(comm, x, ids, sc, n, w, at, to_fp8),
+                                  mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
                 return gather(jax.jit(f)(xg, ids_g, scales, n_g, w_g))
 
             # Weights from dispatch_send count as given to combine_send: pre-reduced on NVLink.
@@ -120,7 +124,8 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
         elif backend == "nvshmem":  # the split halves, weights on either side, against the fused calls
             for weights_at in ("send", "recv"):
                 split = jax.jit(jax.shard_map(
-                    lambda x, ids, sc, n, w, comm=comm, at=weights_at: split_halves(comm, x, ids, sc, n, w, at),
+                    lambda x, ids, sc, n, w, comm=comm, at=weights_at: split_halves(comm, x, ids, sc, n, w, at,
+                                                                                    to_fp8),
                     mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
                 y_split = gather(split(xg, ids_g, scales, n_g, w_g)).astype(np.float32)
                 y_fused = results[backend][1].astype(np.float32)
@@ -135,6 +140,8 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
     L = cfg.num_experts // world
     cap = dn.expert_x.shape[0] // world
     assert np.array_equal(dn.group_sizes, dr.group_sizes), "group_sizes differ"
+    assert np.array_equal(dn.expert_counts, dr.expert_counts), "expert_counts differ"
+    assert np.array_equal(dn.dropped_rows, dr.dropped_rows), "dropped_rows differ"
     assert np.array_equal(dn.handle.row_origin, dr.handle.row_origin), "row_origin differs"
     for r in range(world):
         used = int(dr.group_sizes[r * L:(r + 1) * L].sum())
@@ -149,11 +156,11 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
     return f"rows {int(dr.group_sizes.sum())}, combine rel err {err:.1e}"
 
 
-def split_halves(comm, x, ids, scales, n, w, weights_at="send"):
+def split_halves(comm, x, ids, scales, n, w, weights_at="send", quantize=None):
     """dispatch_send; independent compute; dispatch_recv; combine_send; independent compute; combine_recv. The
     weights go to combine_send (pre-reduced on NVLink), to combine_recv (rows per slot) or to dispatch_send (then as
     to combine_send)."""
-    p = comm.dispatch_send(x, ids, scales, n.reshape(()), w if weights_at == "dispatch" else None)
+    p = comm.dispatch_send(x, ids, scales, n.reshape(()), w if weights_at == "dispatch" else None, quantize)
     busy = jnp.tanh(x.astype(jnp.float32) @ x.astype(jnp.float32).T).sum()  # overlaps the transfer
     d = comm.dispatch_recv(p)
     y = (d.expert_x.astype(jnp.float32) * 1.5).astype(comm.cfg.out_dtype)
@@ -428,6 +435,59 @@ def case_grad_composition(mesh, seed, composition, layers=3):
     return compare_grads(grads, ("x", "topk_weights", "expert weights"), 1e-4)
 
 
+def case_grad_one_comm_remat_layers(mesh, seed, layers=58):
+    """A model of 58 layers in a Python loop, every whole layer (its round trips too) under jax.checkpoint and every
+    layer on ONE MoEComm: the kernels' custom VJP, in one jit, equals plain AD on the reference backend. The round
+    trips are not recomputed (JAX keeps an effectful call's results): the program holds one fused dispatch and one
+    fused combine per layer and direction, ordered by data; had XLA interleaved two, a round trip would fail with
+    "expected <phase>". The reference computes the same model as a lax.scan without rematerialization (one layer to
+    compile)."""
+    world = mesh.shape["ep"]
+    E, K, H, T = 8, 2, 32, 8
+    cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    rng = np.random.default_rng(seed)
+    ids = np.stack([np.argsort(rng.random((world * T, E)), 1)[:, :K] for _ in range(layers)]).astype(np.int32)
+    ids[:, ::5, 1] = -1
+    args = (to_global(mesh, rng.standard_normal((world * T, H)).astype(np.float32)),
+            to_global_layers(mesh, ids),
+            to_global_layers(mesh, rng.random((layers, world * T, K)).astype(np.float32)),
+            # Experts scaled by 1 / sqrt(layers): the residual stream and its gradients stay of order one.
+            to_global_layers(mesh, (rng.standard_normal((layers, E, H, H)) / np.sqrt(H * layers)).astype(np.float32)))
+
+    def layer(comm, x, ids, w, ew):
+        d = comm.dispatch(x, ids)
+        # Full float32 matmuls: with TF32 the two backends' last-bit differences would move gradients by ~1e-4.
+        expert_y = jnp.tanh(jax.lax.ragged_dot(d.expert_x, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST))
+        return x + comm.combine(expert_y, d.handle, w)
+
+    grads = {}
+    for backend in ("nvshmem", "reference"):
+        comm = make_comm(cfg, mesh, backend)
+
+        def shard(x, ids, w, ew, comm=comm, backend=backend):
+            if backend == "reference":
+                return jax.lax.scan(lambda x, p: (layer(comm, x, *p), None), x, (ids, w, ew))[0]
+            rematerialized = jax.checkpoint(lambda x, ids, w, ew: layer(comm, x, ids, w, ew))
+            for i in range(layers):
+                x = rematerialized(x, ids[i], w[i], ew[i])
+            return x
+
+        mapped = jax.shard_map(shard, mesh=mesh, in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P(None, "ep")),
+                               out_specs=P("ep"))
+        loss = jax.jit(jax.grad(lambda x, ids, w, ew, f=mapped: jnp.sum(f(x, ids, w, ew) ** 2), argnums=(0, 2, 3)))
+        try:
+            compiled = loss.lower(*args).compile()
+            if backend == "nvshmem" and comm._phases.plan.p2p:  # the fused calls: one per layer and direction
+                hlo = compiled.as_text()
+                for target in ("jmc_dispatch", "jmc_combine"):
+                    found = hlo.count(f'custom_call_target="{target}"')
+                    assert found == 2 * layers, f"{found} {target} calls for {layers} layers, forward and backward"
+            grads[backend] = gather(compiled(*args))
+        finally:
+            comm.close()
+    return f"{layers} layers: " + compare_grads(grads, ("x", "topk_weights", "expert weights"), 1e-4)
+
+
 def case_probe(mesh, seed, flagged=False):
     """The bench's floor probe (ffi/probe.cu, the measurement build): every rank gets the previous rank's rows, call
     after call (flagged: in words that carry their own validity, polled by the receiver)."""
@@ -651,6 +711,18 @@ def main() -> int:
         ("num_tokens partial", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32),
                                                   num_tokens="partial")),
         ("skewed: all to expert 0", lambda s: run_case(mesh, s, "", C(8, 3, 64, 32, dtype=bf16), kind="skewed")),
+        # overflow="drop": rows past capacity dropped as the reference drops them, nothing fails; capacity_factor.
+        ("drop: skewed past capacity", lambda s: run_case(
+            mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity=20, align=4, overflow="drop"), kind="skewed")),
+        ("drop: capacity factor 1, staged puts", lambda s: staged_puts(lambda: run_case(
+            mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity_factor=1.0, overflow="drop"), kind="skewed"))),
+        # dispatch(..., quantize=float8_e4m3fn): bf16 rows quantized by the dispatch kernels, against the reference.
+        ("quantize: fp8 K8 B128", lambda s: run_case(mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128),
+                                                    quantize=True)),
+        ("quantize: R1 shape, weights with dispatch", lambda s: run_case(
+            mesh, s, "", C(16, 8, 7168, 8, dtype=fp8, scale_block=128), weights_to="dispatch", quantize=True)),
+        ("quantize: staged puts", lambda s: staged_puts(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128), quantize=True))),
         ("a rank receives nothing", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=bf16), kind="rank0_only")),
         ("-1 slots", lambda s: run_case(mesh, s, "", C(8, 4, 64, 16, dtype=f32, out_dtype=f32), kind="dropped")),
         ("dp_size 2", lambda s: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32, dp_size=2),
@@ -698,6 +770,8 @@ def main() -> int:
         ("grad: experts under remat", lambda s: case_grad_composition(mesh, s, "remat")),
         ("grad: scan over layers", lambda s: case_grad_composition(mesh, s, "scan")),
         ("grad: two MoEComms in one step", lambda s: case_grad_composition(mesh, s, "two instances")),
+        ("grad: 58 layers, one MoEComm, whole layers rematerialized", lambda s: case_grad_one_comm_remat_layers(
+            mesh, s)),
         ("grad: fp8 dispatch, bf16 gradients", lambda s: case_grad_fp8(mesh, s)),
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
         ("the bench's floor probe", lambda s: case_probe(mesh, s)),

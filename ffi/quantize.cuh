@@ -1,0 +1,101 @@
+// dispatch_send's in-kernel quantization (DispatchSendArgs::quantize): bf16 rows to float8_e4m3fn with one fp32
+// scale per block of B = hidden / scale_cols elements, as the rows are sent. The arithmetic of the reference
+// quantizer (jax_moe_comm/quantize.py), in fp32, bit for bit: scale = amax * float(1 / 448) (1 for an all-zero
+// block), then x / scale clamped to +-448 and rounded to nearest even.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "device_common.cuh"
+
+namespace jmc {
+
+constexpr float kFp8Max = 448.f;
+
+__device__ inline float block_scale(float amax) { return amax > 0.f ? amax * (1.f / kFp8Max) : 1.f; }
+
+// Two quantized values, packed low first (the byte order of a float8 array).
+__device__ inline uint32_t fp8_pair(float a, float b) {
+  const float2 v = make_float2(fminf(fmaxf(a, -kFp8Max), kFp8Max), fminf(fmaxf(b, -kFp8Max), kFp8Max));
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Any shape: a warp quantizes bf16 row `x` into `payload` (fp8) and `scales`, block by block, with byte stores (for
+// local memory: this rank's copy of a slot, or staging).
+__device__ inline void warp_quantize_row(char* payload, float* scales, const __nv_bfloat16* x, const Sizes& s,
+                                         int lane) {
+  const int block = s.hidden / s.scale_cols;
+  for (int b = 0; b < s.scale_cols; ++b) {
+    const __nv_bfloat16* xb = x + static_cast<size_t>(b) * block;
+    float amax = 0.f;
+    for (int i = lane; i < block; i += 32) amax = fmaxf(amax, fabsf(__bfloat162float(xb[i])));
+    for (int offset = 16; offset; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float scale = block_scale(amax);
+    for (int i = lane; i < block; i += 32)
+      payload[static_cast<size_t>(b) * block + i] = static_cast<char>(fp8_pair(__bfloat162float(xb[i]) / scale, 0.f));
+    if (lane == 0) scales[b] = scale;
+  }
+}
+
+// The fast shape: the row's fp8 payload fits a RowInRegisters (and its scales one word per lane), x is 16-byte
+// aligned and a block spans a power of two of 16-element words, at most a warp's (B = 16 .. 512).
+__device__ inline bool quantizes_in_registers(const Sizes& s, uintptr_t addresses) {
+  const int block = s.hidden / s.scale_cols, words = block / 16;
+  return RowInRegisters::fits(addresses, s.payload_bytes, 4 * s.scale_cols) && block % 16 == 0 && words <= 32 &&
+         (words & (words - 1)) == 0 && (s.hidden * 2) % 16 == 0;
+}
+
+// The fast shape: a warp quantizes bf16 row `x` into `row` as RowInRegisters::load would hold the quantized row
+// (payload word w = j * 32 + lane: fp8 elements 16w .. 16w + 15; scale word l: scales 4l .. 4l + 3). The lanes of one
+// block (B / 16 consecutive lanes) reduce its amax by shuffles.
+__device__ inline void quantize_into(RowInRegisters& row, const __nv_bfloat16* x, const Sizes& s, int lane) {
+  const int lanes_per_block = s.hidden / s.scale_cols / 16;
+  const int words = s.payload_bytes / 16;
+  float scale_of[4] = {1.f, 1.f, 1.f, 1.f};
+  row.scale_word = make_int4(0, 0, 0, 0);
+#pragma unroll
+  for (int j = 0; j < kCopyDepth; ++j) {
+    if (j * 32 >= words) break;  // uniform across the warp
+    const int w = j * 32 + lane;
+    float v[16];
+    float amax = 0.f;
+    if (w < words) {
+      const int4 a = reinterpret_cast<const int4*>(x)[2 * w], b = reinterpret_cast<const int4*>(x)[2 * w + 1];
+      const auto* lo = reinterpret_cast<const __nv_bfloat16*>(&a);
+      const auto* hi = reinterpret_cast<const __nv_bfloat16*>(&b);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        v[e] = __bfloat162float(lo[e]);
+        v[8 + e] = __bfloat162float(hi[e]);
+      }
+#pragma unroll
+      for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));
+    }
+    for (int offset = 1; offset < lanes_per_block; offset <<= 1)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float scale = block_scale(amax);
+    if (w < words) {
+      uint32_t packed[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        packed[q] = fp8_pair(v[4 * q] / scale, v[4 * q + 1] / scale) |
+                    fp8_pair(v[4 * q + 2] / scale, v[4 * q + 3] / scale) << 16;
+      row.words[j] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                               static_cast<int>(packed[3]));
+    }
+    // Block b's scale is in lane (b * lanes_per_block) % 32 of iteration (b * lanes_per_block) / 32; lane l keeps
+    // blocks 4l .. 4l + 3.
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int b = 4 * lane + c, first_word = b * lanes_per_block;
+      const float got = __shfl_sync(0xffffffffu, scale, first_word % 32);
+      if (first_word / 32 == j && b < s.scale_cols) scale_of[c] = got;
+    }
+  }
+  if (lane < s.scale_cols / 4)
+    row.scale_word = make_int4(__float_as_int(scale_of[0]), __float_as_int(scale_of[1]), __float_as_int(scale_of[2]),
+                               __float_as_int(scale_of[3]));
+}
+
+}  // namespace jmc
