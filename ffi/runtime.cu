@@ -86,27 +86,44 @@ T* optional_region(char* base, const Layout& layout, const char* name) {
 
 }  // namespace
 
+// Thread t puts this PE's answer (1 + reached) into slot my_pe of PE t's words; quiet: landed when the kernel ends.
+__global__ void publish_reach(int32_t* words, int32_t answer, int n_pes, int my_pe) {
+  for (int pe = threadIdx.x; pe < n_pes; pe += blockDim.x) nvshmem_int_p(words + my_pe, answer, pe);
+  nvshmem_quiet();
+}
+
 bool job_on_nvlink(const std::vector<int32_t>& pe_of_rank, std::string* error) {
-  // Two ints of symmetric memory: this PE's answer, then the AND over the job's PEs.
-  auto* words = static_cast<int32_t*>(nvshmem_malloc(2 * sizeof(int32_t)));
+  // Symmetric words, one per PE of the job: each PE puts its answer into every PE's slot of it, then each ANDs what
+  // landed. Device puts and host barriers only: NVSHMEM's on-stream reductions refuse PEs that share a GPU.
+  const int n_pes = nvshmem_n_pes(), me = nvshmem_my_pe();
+  auto* words = static_cast<int32_t*>(nvshmem_malloc(n_pes * sizeof(int32_t)));
   if (words == nullptr) {
-    *error = "nvshmem_malloc of 8 bytes failed";
+    *error = "nvshmem_malloc of the job's NVLink answers failed";
     return false;
   }
-  int32_t reached = pe_of_rank.size() <= static_cast<size_t>(kMaxNvlinkPeers);
-  for (int32_t pe : pe_of_rank)
-    reached = reached && pe >= 0 && pe < nvshmem_n_pes() && nvshmem_ptr(words, pe) != nullptr;
-  int32_t all = 0;
+  bool reached = pe_of_rank.size() <= static_cast<size_t>(kMaxNvlinkPeers);
+  for (int32_t pe : pe_of_rank) reached = reached && pe >= 0 && pe < n_pes && nvshmem_ptr(words, pe) != nullptr;
+  // On a stream of its own, waited for alone (as zero_context: not the work XLA has queued).
+  std::vector<int32_t> answers(n_pes, 0);
   cudaStream_t stream = nullptr;
-  const bool ok = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
-                  cudaMemcpyAsync(words, &reached, sizeof(reached), cudaMemcpyHostToDevice, stream) == cudaSuccess &&
-                  nvshmemx_int32_and_reduce_on_stream(NVSHMEM_TEAM_WORLD, words + 1, words, 1, stream) == 0 &&
-                  cudaMemcpyAsync(&all, words + 1, sizeof(all), cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
-                  cudaStreamSynchronize(stream) == cudaSuccess;
+  bool ok = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+            cudaMemsetAsync(words, 0, n_pes * sizeof(int32_t), stream) == cudaSuccess &&
+            cudaStreamSynchronize(stream) == cudaSuccess;
+  nvshmem_barrier_all();  // every PE's words are zero before anyone puts into them
+  if (ok) {
+    publish_reach<<<1, 256, 0, stream>>>(words, reached ? 2 : 1, n_pes, me);
+    ok = cudaGetLastError() == cudaSuccess && cudaStreamSynchronize(stream) == cudaSuccess;
+  }
+  nvshmem_barrier_all();  // every PE's puts have landed
+  ok = ok && cudaMemcpyAsync(answers.data(), words, n_pes * sizeof(int32_t), cudaMemcpyDeviceToHost, stream) ==
+                 cudaSuccess && cudaStreamSynchronize(stream) == cudaSuccess;
   if (stream != nullptr) cudaStreamDestroy(stream);
   nvshmem_free(words);
-  if (!ok) *error = "agreeing on the job's NVLink reach failed";
-  return ok && all != 0;
+  if (!ok) {
+    *error = "agreeing on the job's NVLink reach failed";
+    return false;
+  }
+  return std::all_of(answers.begin(), answers.end(), [](int32_t a) { return a == 2; });
 }
 
 Context* create_context(const Sizes& sizes, const Layout& layout, const std::vector<int32_t>& pe_of_rank, bool staged,

@@ -59,7 +59,23 @@ mlir.register_lowering(kernel_call_p, _lowering, platform="cuda")
 def kernel_call(target: str, results: Any, *args, **attributes) -> Any:
     """``jax.ffi.ffi_call(target, results, has_side_effect=True)(*args, **attributes)`` on this primitive. `results`:
     a ShapeDtypeStruct or a sequence of them (the result then a list); attributes: numpy scalars."""
+    # Operands varying over different manual axes (shard_map) are made to vary over all of them, as a primitive's
+    # operands must (a no-op in the program).
+    vma = frozenset().union(*(varying_axes(a) for a in args))
+    args = tuple(_varying_over(a, vma) for a in args)
     many = isinstance(results, Sequence)
     avals = tuple(core.shaped_abstractify(r).update(dtype=r.dtype) for r in (results if many else (results,)))
     outs = kernel_call_p.bind(*args, target=target, results=avals, attributes=tuple(sorted(attributes.items())))
     return list(outs) if many else outs[0]
+
+
+def varying_axes(a) -> frozenset:
+    """The manual mesh axes over which a per-shard value varies (shard_map's type; empty outside one)."""
+    aval = jax.typeof(a)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _varying_over(a, axes: frozenset):
+    missing = tuple(sorted(axes - varying_axes(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a

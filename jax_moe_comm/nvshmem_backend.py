@@ -20,7 +20,7 @@ from jax import Array
 
 from . import _native, errors, runtime
 from .config import Geometry, MoECommConfig, Options
-from .kernel_call import kernel_call
+from .kernel_call import kernel_call, varying_axes
 from .types import CombineHandle, Dispatched, pytree_dataclass
 
 MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
@@ -230,21 +230,14 @@ class PendingCombine:
 _STATUS = jax.ShapeDtypeStruct((errors.STATUS_WORDS,), jnp.int32)
 
 
-def _varying_axes(a) -> frozenset:
-    """The manual mesh axes over which a per-shard value varies (shard_map's type; empty outside one)."""
-    aval = jax.typeof(a)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-
 def _varying(outs, args, ep_axes: tuple[str, ...]):
     """Marks a custom call's per-shard results as varying over the EP axes and every axis its operands vary over,
     as shard_map's type checks expect (custom call results carry no such annotation; without it e.g. a lax.scan carry
     would change type)."""
-    axes = frozenset(ep_axes).union(*(_varying_axes(a) for a in jax.tree.leaves(args)))
+    axes = frozenset(ep_axes).union(*(varying_axes(a) for a in jax.tree.leaves(args)))
 
     def cast(a):
-        missing = tuple(sorted(axes - _varying_axes(a)))
+        missing = tuple(sorted(axes - varying_axes(a)))
         return jax.lax.pcast(a, missing, to="varying") if missing else a
 
     return jax.tree.map(cast, outs)

@@ -167,8 +167,10 @@ def test_kernel_calls_under_checkpoint_run_once():
     side effect); the forward calls are not recomputed in the backward pass (their results are kept)."""
     from jax_moe_comm.kernel_call import kernel_call
 
-    def call(x):  # a stand-in kernel: its result varies over the EP axis, like the backend's (_varying)
-        y = kernel_call("jmc_stand_in", jax.ShapeDtypeStruct(x.shape, x.dtype), x, context=np.int64(0))
+    def call(x):  # a stand-in kernel: its result varies over the EP axis, like the backend's (_varying); one
+        # operand that does not vary (as the backend's empty ones), which kernel_call makes vary like the others
+        y = kernel_call("jmc_stand_in", jax.ShapeDtypeStruct(x.shape, x.dtype), x, jnp.zeros((0,), jnp.int32),
+                        context=np.int64(0))
         return jax.lax.pcast(y, ("ep",), to="varying")
 
     @jax.custom_vjp
