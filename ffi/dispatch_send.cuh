@@ -76,8 +76,8 @@ __device__ inline void write_token_row(char* row, const Sizes& s, const Dispatch
 // one for the scales: R1's fp8 rows, V2-Lite's bf16 ones) they are loaded once and stored to each rank: a
 // write_token_row per rank reloaded them, after the first rank's stores (the loads may not pass stores that could
 // alias them).
-// With a.quantize the row is quantized on the way (in registers; or, for other shapes, once into this rank's copy
-// of the slot, then copied to the peers' copies).
+// With a.quantize the row is quantized on the way (word by word into every destination; or, for other shapes, once
+// into this rank's copy of the slot, then copied to the peers' copies).
 __device__ inline void store_token_row(const Context& ctx, size_t slot, const DispatchSendArgs& a, int t, int lane,
                                        int dest_of_lane) {
   const Sizes& s = ctx.s;
@@ -104,14 +104,20 @@ __device__ inline void store_token_row(const Context& ctx, size_t slot, const Di
     }
     return;
   }
-  RowInRegisters words;
-  if (a.quantize) {
-    quantize_into(words, bf16_row(s, a, t), s, lane);
-  } else {
-    words.load(x, s.payload_bytes, scales, scale_bytes, lane);
-  }
   const int K = s.experts_per_token;
   const int id = lane < K ? a.topk_ids[static_cast<size_t>(t) * K + lane] : 0;
+  if (a.quantize) {
+    store_quantized_row(s, bf16_row(s, a, t), dest_of_lane, lane, [&](int d) { return peer_ptr(ctx, row, d); });
+    for (int d = 0; d < s.world; ++d) {
+      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;
+      auto* header = reinterpret_cast<int32_t*>(peer_ptr(ctx, row, d) + header_offset(s));
+      if (lane == 0) header[0] = t;
+      if (lane < K) header[1 + lane] = id;
+    }
+    return;
+  }
+  RowInRegisters words;
+  words.load(x, s.payload_bytes, scales, scale_bytes, lane);
   for (int d = 0; d < s.world; ++d) {
     if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
     char* peer_row = peer_ptr(ctx, row, d);

@@ -38,25 +38,24 @@ __device__ inline void warp_quantize_row(char* payload, float* scales, const __n
   }
 }
 
-// The fast shape: the row's fp8 payload fits a RowInRegisters (and its scales one word per lane), x is 16-byte
-// aligned and a block spans a power of two of 16-element words, at most a warp's (B = 16 .. 512).
+// The fast shape: the row addresses and sizes are 16-byte aligned, and a block spans a power of two of 16-element
+// words, at most a warp's (B = 16 .. 512).
 __device__ inline bool quantizes_in_registers(const Sizes& s, uintptr_t addresses) {
   const int block = s.hidden / s.scale_cols, words = block / 16;
-  return RowInRegisters::fits(addresses, s.payload_bytes, 4 * s.scale_cols) && block % 16 == 0 && words <= 32 &&
-         (words & (words - 1)) == 0 && (s.hidden * 2) % 16 == 0;
+  return ((addresses | s.payload_bytes) & 15) == 0 && block % 16 == 0 && words <= 32 && (words & (words - 1)) == 0;
 }
 
-// The fast shape: a warp quantizes bf16 row `x` into `row` as RowInRegisters::load would hold the quantized row
-// (payload word w = j * 32 + lane: fp8 elements 16w .. 16w + 15; scale word l: scales 4l .. 4l + 3). The lanes of one
-// block (B / 16 consecutive lanes) reduce its amax by shuffles.
-__device__ inline void quantize_into(RowInRegisters& row, const __nv_bfloat16* x, const Sizes& s, int lane) {
+// The fast shape: a warp quantizes bf16 row `x` 16-byte word by word (payload word w = j * 32 + lane: fp8 elements
+// 16w .. 16w + 15) and stores each word, and each block's scale (from the block's first lane), into the row of every
+// rank `dest_of_lane` names (a lane's live expert's rank), at `row`'s offset in that rank's copy. The lanes of one
+// block (B / 16 consecutive lanes) reduce its amax by shuffles. One word in registers at a time: the fused
+// dispatch's other paths keep their register budget.
+template <typename PeerRow>
+__device__ inline void store_quantized_row(const Sizes& s, const __nv_bfloat16* x, int dest_of_lane, int lane,
+                                           PeerRow peer_row) {
   const int lanes_per_block = s.hidden / s.scale_cols / 16;
   const int words = s.payload_bytes / 16;
-  float scale_of[4] = {1.f, 1.f, 1.f, 1.f};
-  row.scale_word = make_int4(0, 0, 0, 0);
-#pragma unroll
-  for (int j = 0; j < kCopyDepth; ++j) {
-    if (j * 32 >= words) break;  // uniform across the warp
+  for (int j = 0; j * 32 < words; ++j) {  // uniform across the warp
     const int w = j * 32 + lane;
     float v[16];
     float amax = 0.f;
@@ -75,27 +74,23 @@ __device__ inline void quantize_into(RowInRegisters& row, const __nv_bfloat16* x
     for (int offset = 1; offset < lanes_per_block; offset <<= 1)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const float scale = block_scale(amax);
+    uint32_t packed[4] = {};
     if (w < words) {
-      uint32_t packed[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q)
         packed[q] = fp8_pair(v[4 * q] / scale, v[4 * q + 1] / scale) |
                     fp8_pair(v[4 * q + 2] / scale, v[4 * q + 3] / scale) << 16;
-      row.words[j] = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
-                               static_cast<int>(packed[3]));
     }
-    // Block b's scale is in lane (b * lanes_per_block) % 32 of iteration (b * lanes_per_block) / 32; lane l keeps
-    // blocks 4l .. 4l + 3.
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int b = 4 * lane + c, first_word = b * lanes_per_block;
-      const float got = __shfl_sync(0xffffffffu, scale, first_word % 32);
-      if (first_word / 32 == j && b < s.scale_cols) scale_of[c] = got;
+    const int4 word = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]),
+                                static_cast<int>(packed[2]), static_cast<int>(packed[3]));
+    const bool first_of_block = w < words && w % lanes_per_block == 0;
+    for (int d = 0; d < s.world; ++d) {
+      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of the token on rank d
+      char* dst = peer_row(d);
+      if (w < words) reinterpret_cast<int4*>(dst)[w] = word;
+      if (first_of_block) reinterpret_cast<float*>(dst + scales_offset(s))[w / lanes_per_block] = scale;
     }
   }
-  if (lane < s.scale_cols / 4)
-    row.scale_word = make_int4(__float_as_int(scale_of[0]), __float_as_int(scale_of[1]), __float_as_int(scale_of[2]),
-                               __float_as_int(scale_of[3]));
 }
 
 }  // namespace jmc
