@@ -12,6 +12,7 @@
 namespace jmc {
 
 constexpr float kFp8Max = 448.f;
+constexpr int kQuantBatch = 8;  // 16-byte fp8 words per lane whose bf16 loads the fast shape issues together
 
 __device__ inline float block_scale(float amax) { return amax > 0.f ? amax * (1.f / kFp8Max) : 1.f; }
 
@@ -48,47 +49,61 @@ __device__ inline bool quantizes_in_registers(const Sizes& s, uintptr_t addresse
 // The fast shape: a warp quantizes bf16 row `x` 16-byte word by word (payload word w = j * 32 + lane: fp8 elements
 // 16w .. 16w + 15) and stores each word, and each block's scale (from the block's first lane), into the row of every
 // rank `dest_of_lane` names (a lane's live expert's rank), at `row`'s offset in that rank's copy. The lanes of one
-// block (B / 16 consecutive lanes) reduce its amax by shuffles. One word in registers at a time: the fused
+// block (B / 16 consecutive lanes) reduce its amax by shuffles. kQuantBatch words in registers at a time: the fused
 // dispatch's other paths keep their register budget.
 template <typename PeerRow>
 __device__ inline void store_quantized_row(const Sizes& s, const __nv_bfloat16* x, int dest_of_lane, int lane,
                                            PeerRow peer_row) {
   const int lanes_per_block = s.hidden / s.scale_cols / 16;
   const int words = s.payload_bytes / 16;
-  for (int j = 0; j * 32 < words; ++j) {  // uniform across the warp
-    const int w = j * 32 + lane;
-    float v[16];
-    float amax = 0.f;
-    if (w < words) {
-      const int4 a = reinterpret_cast<const int4*>(x)[2 * w], b = reinterpret_cast<const int4*>(x)[2 * w + 1];
-      const auto* lo = reinterpret_cast<const __nv_bfloat16*>(&a);
-      const auto* hi = reinterpret_cast<const __nv_bfloat16*>(&b);
+  const int4* x4 = reinterpret_cast<const int4*>(x);
+  for (int j0 = 0; j0 * 32 < words; j0 += kQuantBatch) {  // uniform across the warp
+    // kQuantBatch words' loads in flight at once: one memory latency per batch, not per word.
+    int4 raw[kQuantBatch][2];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        v[e] = __bfloat162float(lo[e]);
-        v[8 + e] = __bfloat162float(hi[e]);
+    for (int u = 0; u < kQuantBatch; ++u) {
+      const int w = (j0 + u) * 32 + lane;
+      if (w < words) {
+        raw[u][0] = x4[2 * w];
+        raw[u][1] = x4[2 * w + 1];
       }
-#pragma unroll
-      for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));
     }
-    for (int offset = 1; offset < lanes_per_block; offset <<= 1)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = block_scale(amax);
-    uint32_t packed[4] = {};
-    if (w < words) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
-        packed[q] = fp8_pair(v[4 * q] / scale, v[4 * q + 1] / scale) |
-                    fp8_pair(v[4 * q + 2] / scale, v[4 * q + 3] / scale) << 16;
-    }
-    const int4 word = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]),
-                                static_cast<int>(packed[2]), static_cast<int>(packed[3]));
-    const bool first_of_block = w < words && w % lanes_per_block == 0;
-    for (int d = 0; d < s.world; ++d) {
-      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of the token on rank d
-      char* dst = peer_row(d);
-      if (w < words) reinterpret_cast<int4*>(dst)[w] = word;
-      if (first_of_block) reinterpret_cast<float*>(dst + scales_offset(s))[w / lanes_per_block] = scale;
+    for (int u = 0; u < kQuantBatch; ++u) {
+      if ((j0 + u) * 32 >= words) break;  // uniform across the warp
+      const int w = (j0 + u) * 32 + lane;
+      float v[16];
+      float amax = 0.f;
+      if (w < words) {
+        const auto* lo = reinterpret_cast<const __nv_bfloat16*>(&raw[u][0]);
+        const auto* hi = reinterpret_cast<const __nv_bfloat16*>(&raw[u][1]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          v[e] = __bfloat162float(lo[e]);
+          v[8 + e] = __bfloat162float(hi[e]);
+        }
+#pragma unroll
+        for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));
+      }
+      for (int offset = 1; offset < lanes_per_block; offset <<= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      const float scale = block_scale(amax);
+      uint32_t packed[4] = {};
+      if (w < words) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          packed[q] = fp8_pair(v[4 * q] / scale, v[4 * q + 1] / scale) |
+                      fp8_pair(v[4 * q + 2] / scale, v[4 * q + 3] / scale) << 16;
+      }
+      const int4 word = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]),
+                                  static_cast<int>(packed[2]), static_cast<int>(packed[3]));
+      const bool first_of_block = w < words && w % lanes_per_block == 0;
+      for (int d = 0; d < s.world; ++d) {
+        if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of the token on rank d
+        char* dst = peer_row(d);
+        if (w < words) reinterpret_cast<int4*>(dst)[w] = word;
+        if (first_of_block) reinterpret_cast<float*>(dst + scales_offset(s))[w / lanes_per_block] = scale;
+      }
     }
   }
 }
