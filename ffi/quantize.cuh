@@ -1,7 +1,7 @@
 // dispatch_send's in-kernel quantization (DispatchSendArgs::quantize): bf16 rows to float8_e4m3fn with one fp32
 // scale per block of B = hidden / scale_cols elements, as the rows are sent. The arithmetic of the reference
 // quantizer (jax_moe_comm/quantize.py), in fp32, bit for bit: scale = amax * float(1 / 448) (1 for an all-zero
-// block), then x / scale clamped to +-448 and rounded to nearest even.
+// block), then x * (1 / scale) clamped to +-448 and rounded to nearest even.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,9 +32,9 @@ __device__ inline void warp_quantize_row(char* payload, float* scales, const __n
     float amax = 0.f;
     for (int i = lane; i < block; i += 32) amax = fmaxf(amax, fabsf(__bfloat162float(xb[i])));
     for (int offset = 16; offset; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = block_scale(amax);
+    const float scale = block_scale(amax), inverse = 1.f / scale;
     for (int i = lane; i < block; i += 32)
-      payload[static_cast<size_t>(b) * block + i] = static_cast<char>(fp8_pair(__bfloat162float(xb[i]) / scale, 0.f));
+      payload[static_cast<size_t>(b) * block + i] = static_cast<char>(fp8_pair(__bfloat162float(xb[i]) * inverse, 0.f));
     if (lane == 0) scales[b] = scale;
   }
 }
@@ -87,13 +87,13 @@ __device__ inline void store_quantized_row(const Sizes& s, const __nv_bfloat16* 
       }
       for (int offset = 1; offset < lanes_per_block; offset <<= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      const float scale = block_scale(amax);
+      const float scale = block_scale(amax), inverse = 1.f / scale;
       uint32_t packed[4] = {};
       if (w < words) {
 #pragma unroll
         for (int q = 0; q < 4; ++q)
-          packed[q] = fp8_pair(v[4 * q] / scale, v[4 * q + 1] / scale) |
-                      fp8_pair(v[4 * q + 2] / scale, v[4 * q + 3] / scale) << 16;
+          packed[q] = fp8_pair(v[4 * q] * inverse, v[4 * q + 1] * inverse) |
+                      fp8_pair(v[4 * q + 2] * inverse, v[4 * q + 3] * inverse) << 16;
       }
       const int4 word = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]),
                                   static_cast<int>(packed[2]), static_cast<int>(packed[3]));

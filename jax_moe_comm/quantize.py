@@ -20,7 +20,7 @@ def quantize_rows(x: Array, scale_block: int) -> tuple[Array, Array]:
     """x [N, H] (any float dtype) -> (float8_e4m3fn [N, H], float32 scales [N, H // scale_block]).
 
     Per block of ``scale_block`` elements, in float32: ``scale = amax * float32(1 / 448)`` (1 for an all-zero block)
-    and ``q = x / scale`` saturated at ±448 and rounded to nearest even; ``q * scale`` approximates x.
+    and ``q = x * (1 / scale)`` saturated at ±448 and rounded to nearest even; ``q * scale`` approximates x.
     """
     rows, hidden = x.shape
     if hidden % scale_block:
@@ -28,5 +28,6 @@ def quantize_rows(x: Array, scale_block: int) -> tuple[Array, Array]:
     blocks = x.astype(jnp.float32).reshape(rows, hidden // scale_block, scale_block)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     scales = jnp.where(amax > 0, amax * jnp.float32(INV_FP8_MAX), jnp.float32(1.0))
-    q = jnp.clip(blocks / scales[..., None], -FP8_MAX, FP8_MAX)  # saturate: the kernels convert with satfinite
+    inverse = jnp.float32(1.0) / scales  # one division per block, then products (as the kernels)
+    q = jnp.clip(blocks * inverse[..., None], -FP8_MAX, FP8_MAX)  # saturate: the kernels convert with satfinite
     return q.astype(jnp.float8_e4m3fn).reshape(rows, hidden), scales

@@ -19,12 +19,12 @@ WORLD, E, K, H, T, BLOCK = 4, 8, 2, 64, 8, 16
 
 
 def numpy_quantize(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """The rule, written out: per block, scale = amax * float32(1 / 448) (1 if all zero), q = x / scale saturated at
-    448 and rounded to nearest even (ml_dtypes' float8_e4m3fn)."""
+    """The rule, written out: per block, scale = amax * float32(1 / 448) (1 if all zero), q = x * (1 / scale)
+    saturated at 448 and rounded to nearest even (ml_dtypes' float8_e4m3fn)."""
     blocks = x.astype(np.float32).reshape(x.shape[0], -1, block)
     amax = np.abs(blocks).max(-1)
     scales = np.where(amax > 0, amax * (np.float32(1) / np.float32(448)), np.float32(1)).astype(np.float32)
-    q = np.clip(blocks / scales[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    q = np.clip(blocks * (np.float32(1) / scales)[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
     return q.reshape(x.shape), scales
 
 
