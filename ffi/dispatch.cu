@@ -21,8 +21,9 @@ __device__ inline void skip_receive(const Context& ctx, const DispatchRecvArgs& 
   finish_phase(ctx, kDispatchRecv, recv.status);
 }
 
+template <bool Quantize>
 __global__ void dispatch_kernel(Context ctx, DispatchSendArgs send, DispatchRecvArgs recv) {
-  if (!dispatch_send_p2p(ctx, send, false)) return skip_receive(ctx, recv);
+  if (!dispatch_send_p2p<Quantize>(ctx, send, false)) return skip_receive(ctx, recv);
   mark(ctx, kDispatchRecv, kStart);  // no second order check: the receive's end moves the protocol past both
   receive_tokens(ctx, recv);
 }
@@ -123,7 +124,8 @@ cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, co
   // Quantizing sends take the send-first order: the ids-first order's receive reads this rank's own rows from x.
   if (ctx.ids_first && !send.quantize)
     return launch_cooperative(dispatch_ids_first_kernel, wanted, ctx, send, recv, stream);
-  return launch_cooperative(dispatch_kernel, wanted, ctx, send, recv, stream);
+  if (send.quantize) return launch_cooperative(dispatch_kernel<true>, wanted, ctx, send, recv, stream);
+  return launch_cooperative(dispatch_kernel<false>, wanted, ctx, send, recv, stream);
 }
 
 }  // namespace jmc

@@ -8,7 +8,10 @@ namespace cg = cooperative_groups;
 namespace jmc {
 namespace {
 
-__global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) { dispatch_send_p2p(ctx, a, true); }
+template <bool Quantize>
+__global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
+  dispatch_send_p2p<Quantize>(ctx, a, true);
+}
 
 __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
   int my_tokens;
@@ -51,8 +54,9 @@ cudaError_t launch_dispatch_send(const Context& ctx, const DispatchSendArgs& a, 
   void* params[] = {&c, &args};
   const int blocks_for_tokens = dispatch_send_blocks(ctx.s);
   if (ctx.p2p)  // a warp per token; blocks never wait on each other
-    return cudaLaunchKernel(reinterpret_cast<void*>(dispatch_send_p2p_kernel), blocks_for_tokens, kThreads, params,
-                            0, stream);
+    return cudaLaunchKernel(a.quantize ? reinterpret_cast<void*>(dispatch_send_p2p_kernel<true>)
+                                       : reinterpret_cast<void*>(dispatch_send_p2p_kernel<false>),
+                            blocks_for_tokens, kThreads, params, 0, stream);
   // Cooperative (grid.sync), so at most one block per SM.
   return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dispatch_send_staged_kernel),
                                      std::min(blocks_for_tokens, ctx.s.sm_count), kThreads, params, 0, stream);

@@ -76,8 +76,6 @@ __device__ inline void write_token_row(char* row, const Sizes& s, const Dispatch
 // one for the scales: R1's fp8 rows, V2-Lite's bf16 ones) they are loaded once and stored to each rank: a
 // write_token_row per rank reloaded them, after the first rank's stores (the loads may not pass stores that could
 // alias them).
-// With a.quantize the row is quantized on the way (word by word into every destination; or, for other shapes, once
-// into this rank's copy of the slot, then copied to the peers' copies).
 __device__ inline void store_token_row(const Context& ctx, size_t slot, const DispatchSendArgs& a, int t, int lane,
                                        int dest_of_lane) {
   const Sizes& s = ctx.s;
@@ -85,39 +83,17 @@ __device__ inline void store_token_row(const Context& ctx, size_t slot, const Di
   const char* x = static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes;
   const float* scales = a.scales + static_cast<size_t>(t) * s.scale_cols;
   const int scale_bytes = 4 * s.scale_cols;
-  const uintptr_t scales_at = s.scale_cols && !a.quantize ? reinterpret_cast<uintptr_t>(scales) : 0;  // else none
-  const uintptr_t x_at = a.quantize ? reinterpret_cast<uintptr_t>(bf16_row(s, a, t)) : reinterpret_cast<uintptr_t>(x);
-  const uintptr_t addresses = reinterpret_cast<uintptr_t>(row) | x_at | scales_at;
-  if (a.quantize ? !quantizes_in_registers(s, addresses)
-                 : !RowInRegisters::fits(addresses, s.payload_bytes, scale_bytes)) {
-    if (a.quantize) {  // quantized once, locally; then a copy per peer
-      write_token_row(row, s, a, t, lane);
-      __syncwarp();  // the lanes' bytes are visible to the whole warp before any lane copies them
-    }
-    for (int d = 0; d < s.world; ++d) {
-      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;
-      if (!a.quantize) {
-        write_token_row(peer_ptr(ctx, row, d), s, a, t, lane);
-      } else if (d != s.rank) {
-        warp_copy(peer_ptr(ctx, row, d), row, s.token_stride, lane);
-      }
-    }
-    return;
-  }
-  const int K = s.experts_per_token;
-  const int id = lane < K ? a.topk_ids[static_cast<size_t>(t) * K + lane] : 0;
-  if (a.quantize) {
-    store_quantized_row(s, bf16_row(s, a, t), dest_of_lane, lane, [&](int d) { return peer_ptr(ctx, row, d); });
-    for (int d = 0; d < s.world; ++d) {
-      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;
-      auto* header = reinterpret_cast<int32_t*>(peer_ptr(ctx, row, d) + header_offset(s));
-      if (lane == 0) header[0] = t;
-      if (lane < K) header[1 + lane] = id;
-    }
+  const uintptr_t scales_at = s.scale_cols ? reinterpret_cast<uintptr_t>(scales) : 0;  // no scales: any pointer
+  if (!RowInRegisters::fits(reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(x) | scales_at,
+                            s.payload_bytes, scale_bytes)) {
+    for (int d = 0; d < s.world; ++d)
+      if (__any_sync(0xffffffffu, dest_of_lane == d)) write_token_row(peer_ptr(ctx, row, d), s, a, t, lane);
     return;
   }
   RowInRegisters words;
   words.load(x, s.payload_bytes, scales, scale_bytes, lane);
+  const int K = s.experts_per_token;
+  const int id = lane < K ? a.topk_ids[static_cast<size_t>(t) * K + lane] : 0;
   for (int d = 0; d < s.world; ++d) {
     if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
     char* peer_row = peer_ptr(ctx, row, d);
@@ -126,6 +102,44 @@ __device__ inline void store_token_row(const Context& ctx, size_t slot, const Di
     if (lane == 0) header[0] = t;
     if (lane < K) header[1 + lane] = id;
   }
+}
+
+// Quantizing (a.quantize): part `part` of `parts` of token t's row into slot `slot` of every rank that hosts one of
+// its live experts, NVLink path. In the fast shape the parts are interleaved sets of 32-word iterations, so that at
+// few tokens several warps share a row; otherwise part 0 quantizes the row once into this rank's copy of the slot
+// and copies it to the peers' copies. Part 0 writes the header.
+__device__ inline void store_quantized_token_row(const Context& ctx, size_t slot, const DispatchSendArgs& a, int t,
+                                                 int lane, int dest_of_lane, int part, int parts) {
+  const Sizes& s = ctx.s;
+  char* row = ctx.dispatch_slots + slot * s.token_stride;  // this rank's copy; a peer's is peer_ptr(row, d)
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(bf16_row(s, a, t));
+  if (!quantizes_in_registers(s, addresses)) {
+    if (part != 0) return;
+    write_token_row(row, s, a, t, lane);
+    __syncwarp();  // the lanes' bytes are visible to the whole warp before any lane copies them
+    for (int d = 0; d < s.world; ++d)
+      if (__any_sync(0xffffffffu, dest_of_lane == d) && d != s.rank)
+        warp_copy(peer_ptr(ctx, row, d), row, s.token_stride, lane);
+    return;
+  }
+  store_quantized_row(s, bf16_row(s, a, t), dest_of_lane, lane, part, parts,
+                      [&](int d) { return peer_ptr(ctx, row, d); });
+  if (part != 0) return;
+  const int K = s.experts_per_token;
+  const int id = lane < K ? a.topk_ids[static_cast<size_t>(t) * K + lane] : 0;
+  for (int d = 0; d < s.world; ++d) {
+    if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;
+    auto* header = reinterpret_cast<int32_t*>(peer_ptr(ctx, row, d) + header_offset(s));
+    if (lane == 0) header[0] = t;
+    if (lane < K) header[1 + lane] = id;
+  }
+}
+
+// Warps per quantized row: as many as the grid has per token, up to one per 32-word iteration (1 off the fast
+// shape's uses, where part 0 does it all). The same in every warp.
+__device__ inline int quantize_parts(const Sizes& s, int my_tokens, int nwarps) {
+  const int iterations = (s.payload_bytes / 16 + 31) / 32;
+  return max(1, min(nwarps / max(my_tokens, 1), iterations));
 }
 
 // Once every block is done (its stores fenced / its puts quiet): the last block SETs our ready word everywhere, tagged
@@ -163,9 +177,12 @@ __device__ inline bool begin_send(const Context& ctx, const DispatchSendArgs& a,
   return true;
 }
 
-// The NVLink send (Context::p2p): a warp per token stores its row straight from x into each destination's slot; then
-// the ready signal. Blocks never wait on each other. False when the phase did not run (out of protocol order).
-// `advance`: move the protocol on at the end (finish_phase; false in the fused dispatch).
+// The NVLink send (Context::p2p): a warp per token stores its row straight from x into each destination's slot (with
+// Quantize, a.quantize: quantized, several warps per row at few tokens); then the ready signal. Blocks never wait on
+// each other. False when the phase did not run (out of protocol order). `advance`: move the protocol on at the end
+// (finish_phase; false in the fused dispatch). Quantize is a template parameter so that the other kernels keep
+// their registers.
+template <bool Quantize>
 __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendArgs& a, bool advance) {
   int my_tokens;
   if (!begin_send(ctx, a, &my_tokens)) return false;
@@ -173,23 +190,31 @@ __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendA
   const int K = s.experts_per_token, replica = s.rank % s.dp_size;
   const int lane = threadIdx.x % 32;
   const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int parts = Quantize ? quantize_parts(s, my_tokens, nwarps) : 1;
 
-  for (int i = gwarp; i < my_tokens; i += nwarps) {
+  for (int item = gwarp; item < my_tokens * parts; item += nwarps) {
+    const int i = item / parts, part = item % parts;
     const int t = replica + i * s.dp_size;
     const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
     const int id = lane < K ? ids[lane] : -1;
     const int dest_of_lane = lane_dest(s, ids, lane);
     mark(ctx, kDispatchSend, kStep1);  // the token's ids read (block 0's last token)
     const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
-    const bool weighs = a.topk_weights != nullptr && lane < K;
-    const float weight = weighs ? a.topk_weights[static_cast<size_t>(t) * K + lane] : 0.f;
-    for (int d = 0; d < s.world; ++d) {
-      int32_t* ids_row = peer_ptr(ctx, ctx.dispatch_ids + slot * K, d);
-      if (lane < K) ids_row[lane] = id;
-      if (weighs) peer_ptr(ctx, ctx.combine_weights, d)[slot * K + lane] = weight;
+    if (part == 0) {
+      const bool weighs = a.topk_weights != nullptr && lane < K;
+      const float weight = weighs ? a.topk_weights[static_cast<size_t>(t) * K + lane] : 0.f;
+      for (int d = 0; d < s.world; ++d) {
+        int32_t* ids_row = peer_ptr(ctx, ctx.dispatch_ids + slot * K, d);
+        if (lane < K) ids_row[lane] = id;
+        if (weighs) peer_ptr(ctx, ctx.combine_weights, d)[slot * K + lane] = weight;
+      }
     }
     mark(ctx, kDispatchSend, kStep2);  // the ids rows stored
-    store_token_row(ctx, slot, a, t, lane, dest_of_lane);
+    if constexpr (Quantize) {
+      store_quantized_token_row(ctx, slot, a, t, lane, dest_of_lane, part, parts);
+    } else {
+      store_token_row(ctx, slot, a, t, lane, dest_of_lane);
+    }
   }
   mark(ctx, kDispatchSend, kWorked);
   __threadfence_system();  // this thread's stores reach every peer before the ready signal

@@ -46,23 +46,25 @@ __device__ inline bool quantizes_in_registers(const Sizes& s, uintptr_t addresse
   return ((addresses | s.payload_bytes) & 15) == 0 && block % 16 == 0 && words <= 32 && (words & (words - 1)) == 0;
 }
 
-// The fast shape: a warp quantizes bf16 row `x` 16-byte word by word (payload word w = j * 32 + lane: fp8 elements
+// The fast shape: a warp quantizes its part of bf16 row `x` (of `parts`: interleaved 32-word iterations) 16-byte word
+// by word (payload word w = j * 32 + lane: fp8 elements
 // 16w .. 16w + 15) and stores each word, and each block's scale (from the block's first lane), into the row of every
 // rank `dest_of_lane` names (a lane's live expert's rank), at `row`'s offset in that rank's copy. The lanes of one
 // block (B / 16 consecutive lanes) reduce its amax by shuffles. kQuantBatch words in registers at a time: the fused
 // dispatch's other paths keep their register budget.
 template <typename PeerRow>
 __device__ inline void store_quantized_row(const Sizes& s, const __nv_bfloat16* x, int dest_of_lane, int lane,
-                                           PeerRow peer_row) {
+                                           int part, int parts, PeerRow peer_row) {
   const int lanes_per_block = s.hidden / s.scale_cols / 16;
   const int words = s.payload_bytes / 16;
   const int4* x4 = reinterpret_cast<const int4*>(x);
-  for (int j0 = 0; j0 * 32 < words; j0 += kQuantBatch) {  // uniform across the warp
+  // This part's iterations: part, part + parts, ... (iteration j: words j * 32 .. j * 32 + 31).
+  for (int j0 = part; j0 * 32 < words; j0 += kQuantBatch * parts) {  // uniform across the warp
     // kQuantBatch words' loads in flight at once: one memory latency per batch, not per word.
     int4 raw[kQuantBatch][2];
 #pragma unroll
     for (int u = 0; u < kQuantBatch; ++u) {
-      const int w = (j0 + u) * 32 + lane;
+      const int w = (j0 + u * parts) * 32 + lane;
       if (w < words) {
         raw[u][0] = x4[2 * w];
         raw[u][1] = x4[2 * w + 1];
@@ -70,8 +72,8 @@ __device__ inline void store_quantized_row(const Sizes& s, const __nv_bfloat16* 
     }
 #pragma unroll
     for (int u = 0; u < kQuantBatch; ++u) {
-      if ((j0 + u) * 32 >= words) break;  // uniform across the warp
-      const int w = (j0 + u) * 32 + lane;
+      if ((j0 + u * parts) * 32 >= words) break;  // uniform across the warp
+      const int w = (j0 + u * parts) * 32 + lane;
       float v[16];
       float amax = 0.f;
       if (w < words) {
