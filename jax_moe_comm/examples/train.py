@@ -124,7 +124,8 @@ def start_runtime(backend: str, cfg: jax_moe_comm.MoECommConfig, num_comms: int)
     initialize_distributed()  # (0, 1) and nothing to do without the launcher
     one_gpu = [d.platform for d in jax.local_devices()] == ["gpu"]
     if backend == "nvshmem" or (backend == "auto" and one_gpu and jax_moe_comm.build_info()["cuda"]):
-        need = num_comms * nvshmem_backend.symmetric_bytes(cfg, len(jax.devices()))
+        # Before NVSHMEM starts the job's NVLink reach is unknown: size for the staging buffers too.
+        need = num_comms * nvshmem_backend.symmetric_bytes(cfg, len(jax.devices()), staging=True)
         runtime.initialize(symmetric_size=max(NVSHMEM_DEFAULT_HEAP, 2 * need))  # clear error without the extension
 
 
