@@ -113,7 +113,7 @@ __device__ inline void store_quantized_token_row(const Context& ctx, size_t slot
   const Sizes& s = ctx.s;
   char* row = ctx.dispatch_slots + slot * s.token_stride;  // this rank's copy; a peer's is peer_ptr(row, d)
   const uintptr_t addresses = reinterpret_cast<uintptr_t>(row) | reinterpret_cast<uintptr_t>(bf16_row(s, a, t));
-  if (!quantizes_in_registers(s, addresses)) {
+  if (!quantizes_by_words(s, addresses)) {
     if (part != 0) return;
     write_token_row(row, s, a, t, lane);
     __syncwarp();  // the lanes' bytes are visible to the whole warp before any lane copies them

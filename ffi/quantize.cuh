@@ -41,7 +41,7 @@ __device__ inline void warp_quantize_row(char* payload, float* scales, const __n
 
 // The fast shape: the row addresses and sizes are 16-byte aligned, and a block spans a power of two of 16-element
 // words, at most a warp's (B = 16 .. 512).
-__device__ inline bool quantizes_in_registers(const Sizes& s, uintptr_t addresses) {
+__device__ inline bool quantizes_by_words(const Sizes& s, uintptr_t addresses) {
   const int block = s.hidden / s.scale_cols, words = block / 16;
   return ((addresses | s.payload_bytes) & 15) == 0 && block % 16 == 0 && words <= 32 && (words & (words - 1)) == 0;
 }

@@ -62,7 +62,7 @@ def kernel_call(target: str, results: Any, *args, **attributes) -> Any:
     # Operands varying over different manual axes (shard_map) are made to vary over all of them, as a primitive's
     # operands must (a no-op in the program).
     vma = frozenset().union(*(varying_axes(a) for a in args))
-    args = tuple(_varying_over(a, vma) for a in args)
+    args = tuple(varying_over(a, vma) for a in args)
     many = isinstance(results, Sequence)
     avals = tuple(core.shaped_abstractify(r).update(dtype=r.dtype) for r in (results if many else (results,)))
     outs = kernel_call_p.bind(*args, target=target, results=avals, attributes=tuple(sorted(attributes.items())))
@@ -76,6 +76,7 @@ def varying_axes(a) -> frozenset:
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
-def _varying_over(a, axes: frozenset):
+def varying_over(a, axes: frozenset):
+    """`a`, made to vary over `axes` too (shard_map's type; a no-op in the program)."""
     missing = tuple(sorted(axes - varying_axes(a)))
     return jax.lax.pcast(a, missing, to="varying") if missing else a

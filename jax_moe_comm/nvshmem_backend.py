@@ -20,7 +20,7 @@ from jax import Array
 
 from . import _native, errors, runtime
 from .config import Geometry, MoECommConfig, Options
-from .kernel_call import kernel_call, varying_axes
+from .kernel_call import kernel_call, varying_axes, varying_over
 from .types import CombineHandle, Dispatched, pytree_dataclass
 
 MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
@@ -235,12 +235,7 @@ def _varying(outs, args, ep_axes: tuple[str, ...]):
     as shard_map's type checks expect (custom call results carry no such annotation; without it e.g. a lax.scan carry
     would change type)."""
     axes = frozenset(ep_axes).union(*(varying_axes(a) for a in jax.tree.leaves(args)))
-
-    def cast(a):
-        missing = tuple(sorted(axes - varying_axes(a)))
-        return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-    return jax.tree.map(cast, outs)
+    return jax.tree.map(lambda a: varying_over(a, axes), outs)
 
 
 def _call(name: str, results, plan: Plan, *args, **attrs):

@@ -377,29 +377,37 @@ def protocol_schedule(compiled) -> str:
                      for name, calls in items.items() if holds_kernels(name))
 
 
+def layered_inputs(mesh, rng, layers, E, K, H, T, expert_scale):
+    """A layered model's global inputs: x [world * T, H], per layer ids [layers, world * T, K] (every fifth token's
+    second slot -1), weights and experts [layers, E, H, H] * expert_scale, sharded over "ep"."""
+    world = mesh.shape["ep"]
+    ids = np.stack([np.argsort(rng.random((world * T, E)), 1)[:, :K] for _ in range(layers)]).astype(np.int32)
+    ids[:, ::5, 1] = -1
+    return (to_global(mesh, rng.standard_normal((world * T, H)).astype(np.float32)),
+            to_global_layers(mesh, ids),
+            to_global_layers(mesh, rng.random((layers, world * T, K)).astype(np.float32)),
+            to_global_layers(mesh, (rng.standard_normal((layers, E, H, H)) * expert_scale).astype(np.float32)))
+
+
+def residual_moe_layer(comm, x, ids, w, ew, remat_experts=False):
+    """x + combine(tanh(ragged_dot(dispatch(x), ew))), the experts optionally under jax.checkpoint."""
+    d = comm.dispatch(x, ids)
+    # Full float32 matmuls: with TF32 the two backends' last-bit differences would move gradients by ~1e-4.
+    experts = lambda rows, ew: jnp.tanh(jax.lax.ragged_dot(  # noqa: E731
+        rows, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST))
+    expert_y = (jax.checkpoint(experts) if remat_experts else experts)(d.expert_x, ew)
+    return x + comm.combine(expert_y, d.handle, w)
+
+
 def case_grad_composition(mesh, seed, composition, layers=3):
     """The custom VJP on the kernels equals plain AD on the reference backend in one composition: "remat" (the
     experts under jax.checkpoint), "scan" (lax.scan over layers, one MoEComm reused by every iteration) or "two
     instances" (two MoEComms in one step). On the kernels this also checks that XLA runs each MoEComm's round
     trips one at a time (else: out-of-order error); the order XLA chose is printed (stderr) either way."""
-    world = mesh.shape["ep"]
     E, K, H, T = 8, 2, 64, 16
     cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
-    rng = np.random.default_rng(seed)
-    ids = np.stack([np.argsort(rng.random((world * T, E)), 1)[:, :K] for _ in range(layers)]).astype(np.int32)
-    ids[:, ::5, 1] = -1
-    args = (to_global(mesh, rng.standard_normal((world * T, H)).astype(np.float32)),
-            to_global_layers(mesh, ids),
-            to_global_layers(mesh, rng.random((layers, world * T, K)).astype(np.float32)),
-            to_global_layers(mesh, (rng.standard_normal((layers, E, H, H)) / 16).astype(np.float32)))
-
-    def layer(comm, x, ids, w, ew, remat=False):
-        d = comm.dispatch(x, ids)
-        # Full float32 matmuls: with TF32 the two backends' last-bit differences would move gradients by ~1e-4.
-        experts = lambda rows, ew: jnp.tanh(jax.lax.ragged_dot(  # noqa: E731
-            rows, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST))
-        expert_y = (jax.checkpoint(experts) if remat else experts)(d.expert_x, ew)
-        return x + comm.combine(expert_y, d.handle, w)
+    args = layered_inputs(mesh, np.random.default_rng(seed), layers, E, K, H, T, 1 / 16)
+    layer = residual_moe_layer
 
     grads = {}
     for backend in ("nvshmem", "reference"):
@@ -408,7 +416,7 @@ def case_grad_composition(mesh, seed, composition, layers=3):
         def shard(x, ids, w, ew, comms=comms):
             if composition == "remat":  # the experts recomputed in the backward pass, not the round trips
                 for i in range(layers):
-                    x = layer(comms[0], x, ids[i], w[i], ew[i], remat=True)
+                    x = layer(comms[0], x, ids[i], w[i], ew[i], remat_experts=True)
                 return x
             if composition == "scan":
                 return jax.lax.scan(lambda x, p: (layer(comms[0], x, *p), None), x, (ids, w, ew))[0]
@@ -442,23 +450,11 @@ def case_grad_one_comm_remat_layers(mesh, seed, layers=58):
     fused combine per layer and direction, ordered by data; had XLA interleaved two, a round trip would fail with
     "expected <phase>". The reference computes the same model as a lax.scan without rematerialization (one layer to
     compile)."""
-    world = mesh.shape["ep"]
     E, K, H, T = 8, 2, 32, 8
     cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
-    rng = np.random.default_rng(seed)
-    ids = np.stack([np.argsort(rng.random((world * T, E)), 1)[:, :K] for _ in range(layers)]).astype(np.int32)
-    ids[:, ::5, 1] = -1
-    args = (to_global(mesh, rng.standard_normal((world * T, H)).astype(np.float32)),
-            to_global_layers(mesh, ids),
-            to_global_layers(mesh, rng.random((layers, world * T, K)).astype(np.float32)),
-            # Experts scaled by 1 / sqrt(layers): the residual stream and its gradients stay of order one.
-            to_global_layers(mesh, (rng.standard_normal((layers, E, H, H)) / np.sqrt(H * layers)).astype(np.float32)))
-
-    def layer(comm, x, ids, w, ew):
-        d = comm.dispatch(x, ids)
-        # Full float32 matmuls: with TF32 the two backends' last-bit differences would move gradients by ~1e-4.
-        expert_y = jnp.tanh(jax.lax.ragged_dot(d.expert_x, ew, d.group_sizes, precision=jax.lax.Precision.HIGHEST))
-        return x + comm.combine(expert_y, d.handle, w)
+    # Experts scaled by 1 / sqrt(layers): the residual stream and its gradients stay of order one.
+    args = layered_inputs(mesh, np.random.default_rng(seed), layers, E, K, H, T, 1 / np.sqrt(H * layers))
+    layer = residual_moe_layer
 
     grads = {}
     for backend in ("nvshmem", "reference"):
