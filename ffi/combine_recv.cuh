@@ -13,27 +13,25 @@ namespace jmc {
 
 constexpr int kSlotBatch = 4;  // slots whose chunks a thread loads before it adds them (loads in flight)
 
-// Pre-reduced rows: the ranks that hold a partial row of a token (those hosting one of its live slots), ascending
-// and distinct; returns how many.
-__device__ inline int partial_ranks(const Sizes& s, const int32_t* ids, int* ranks) {
+// Pre-reduced rows: how many partial rows a token has, one per distinct rank hosting one of its live slots (they
+// sit at [token][0, n): partial_place).
+__device__ inline int partial_rows(const Sizes& s, const int32_t* ids) {
+  int ranks[kMaxExpertsPerToken];
   int n = 0;
   for (unsigned live = live_slots(ids, s.experts_per_token, s.num_experts); live; live &= live - 1) {
     const int r = ids[__ffs(live) - 1] / s.local_experts;
-    int j = n;  // insertion into the sorted, distinct list
-    while (j > 0 && ranks[j - 1] > r) --j;
-    if (j > 0 && ranks[j - 1] == r) continue;
-    for (int m = n; m > j; --m) ranks[m] = ranks[m - 1];
-    ranks[j] = r;
-    ++n;
+    bool seen = false;
+    for (int j = 0; j < n; ++j) seen |= ranks[j] == r;
+    if (!seen) ranks[n++] = r;
   }
   return n;
 }
 
-// Pre-reduced rows, summed into out (partial rows of type In), ranks in ascending order. A warp takes a contiguous
-// range of (token, kChunk columns) items, lanes interleaved (coalesced), kPartialSteps steps' loads in flight per
-// lane. A lane's steps stay within one token for many steps (28 at R1), so the token's ids row is read once and its
-// ranks are kept (a grid-strided item per thread would meet a new token's ids row, a first-touch load, at every
-// step, before the partial rows' loads).
+// Pre-reduced rows, summed into out (partial rows of type In) in place order (their ranks ascending). A warp takes a
+// contiguous range of (token, kChunk columns) items, lanes interleaved (coalesced), kPartialSteps steps' loads in
+// flight per lane. A lane's steps stay within one token for many steps (28 at R1), so the token's ids row is read
+// once and its count of partial rows kept (a grid-strided item per thread would meet a new token's ids row, a
+// first-touch load, at every step, before the partial rows' loads).
 constexpr int kPartialSteps = 4;
 template <typename In, typename Out>
 __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens, bool vector) {
@@ -45,31 +43,30 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
   const long long nwarps = static_cast<long long>(gridDim.x) * blockDim.x / 32;
   const long long per_warp = ((items + nwarps - 1) / nwarps + 31) / 32 * 32;
   const long long end = min(items, (gwarp + 1) * per_warp);
-  int ranks[kMaxExpertsPerToken];
-  int ranks_of = -1, n = 0;  // the token whose ranks are in `ranks`
-  const auto partial = [&](int rank, int t, int c0) {  // rank's partial row of token t, from column c0
+  int rows_of = -1, n = 0;  // the token whose partial rows `n` counts
+  const auto partial = [&](int j, int t, int c0) {  // token t's partial row from its j-th rank, from column c0
     return reinterpret_cast<const In*>(ctx.combine_partials +
-                                       (static_cast<size_t>(rank) * s.max_tokens + t) * s.combine_stride) + c0;
+                                       (static_cast<size_t>(t) * s.experts_per_token + j) * s.combine_stride) + c0;
   };
   for (long long base = gwarp * per_warp + lane; base < end; base += 32 * kPartialSteps) {
     Chunk<In> v[kPartialSteps][kSlotBatch];
     int t[kPartialSteps], c0[kPartialSteps], parts[kPartialSteps];
 #pragma unroll
-    for (int u = 0; u < kPartialSteps; ++u) {  // the ranks, then the loads of every step
+    for (int u = 0; u < kPartialSteps; ++u) {  // the counts, then the loads of every step
       const long long item = base + 32 * u;
       t[u] = static_cast<int>(item / chunks_per_row);
       c0[u] = static_cast<int>(item % chunks_per_row) * kChunk;
       parts[u] = 0;
       if (item >= end || t[u] >= num_tokens) continue;
-      if (t[u] != ranks_of) {
-        n = partial_ranks(s, a.topk_ids + static_cast<size_t>(t[u]) * s.experts_per_token, ranks);
-        ranks_of = t[u];
+      if (t[u] != rows_of) {
+        n = partial_rows(s, a.topk_ids + static_cast<size_t>(t[u]) * s.experts_per_token);
+        rows_of = t[u];
       }
       parts[u] = n;
-      if (!vector || n > kSlotBatch) continue;  // added below from memory, one rank at a time
+      if (!vector || n > kSlotBatch) continue;  // added below from memory, one row at a time
 #pragma unroll
       for (int b = 0; b < kSlotBatch; ++b)
-        if (b < n) v[u][b] = *reinterpret_cast<const Chunk<In>*>(partial(ranks[b], t[u], c0[u]));
+        if (b < n) v[u][b] = *reinterpret_cast<const Chunk<In>*>(partial(b, t[u], c0[u]));
     }
 #pragma unroll
     for (int u = 0; u < kPartialSteps; ++u) {
@@ -83,11 +80,11 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
 #pragma unroll
             for (int c = 0; c < kChunk; ++c) acc[c] += to_float(v[u][b].v[c]);
       } else if (parts[u] > 0) {
-        if (t[u] != ranks_of) {
-          n = partial_ranks(s, a.topk_ids + static_cast<size_t>(t[u]) * s.experts_per_token, ranks);
-          ranks_of = t[u];
+        if (t[u] != rows_of) {
+          n = partial_rows(s, a.topk_ids + static_cast<size_t>(t[u]) * s.experts_per_token);
+          rows_of = t[u];
         }
-        for (int j = 0; j < n; ++j) add_chunk(acc, 1.f, partial(ranks[j], t[u], c0[u]), vector, cols);
+        for (int j = 0; j < n; ++j) add_chunk(acc, 1.f, partial(j, t[u], c0[u]), vector, cols);
       }
       store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t[u]) * s.hidden + c0[u], acc, vector, cols);
     }

@@ -93,7 +93,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
 //      weights came before each source's dispatch ready signal, which this rank's dispatch waited for).
 //   3. A warp per arrived token (source rank src, its slot i): sum w * expert_y over the token's live slots whose
 //      expert is here, in slot order, in fp32; store the sum (Partial) into every replica of the token's group, at
-//      combine_partials[this rank][token].
+//      combine_partials[token][j], j this rank's place among the ranks of the token's live slots (partial_place).
 //   4. The last block SETs partials_ready and the sync flag ("done reading your dispatch buffers": the ids rows
 //      are read in 3) on every rank. Every word is tagged with the round trip's epoch.
 template <typename In, typename Partial>
@@ -184,7 +184,8 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
       if (r >= 0 && r < s.capacity && a.row_origin[r] == origin) row = r;
     }
     const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);  // the slots summed, in slot order
-    char* dst = ctx.combine_partials + (static_cast<size_t>(s.rank) * T + t) * s.combine_stride;
+    const int place = partial_place(live, id / L, s.rank);
+    char* dst = ctx.combine_partials + (static_cast<size_t>(t) * K + place) * s.combine_stride;
     const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
     float acc[kSegChunks][kChunk] = {};
     // Slots in order, like the reference; kExpertRowsInFlight rows' chunks are loaded before any is added. A row and

@@ -134,7 +134,8 @@ struct Context {
   // The pre-reduced combine (weights given to combine_send; NVLink path): one row per (token, expert rank).
   float* combine_weights;     // [world][slots_per_source][K] a source's topk weights of its token i
   uint64_t* weights_ready;    // [world] tagged(epoch, 1) once that source's weights landed here
-  char* combine_partials;     // [world][max_tokens] combine rows: rank r's weighted sum of token t's rows on r
+  char* combine_partials;     // [max_tokens][K] combine rows: at [t][j] the weighted sum of token t's rows on the
+                              // j-th (ascending) distinct rank of its live slots
   uint64_t* partials_ready;   // [world] tagged(epoch, 1) once every partial row from that rank landed here
 #ifdef JMC_MEASUREMENT
   uint64_t* probe_ready;      // [world] the epoch of the last probe (ffi/probe.cu) whose bytes landed from that rank

@@ -232,6 +232,17 @@ __device__ inline unsigned live_slots(const int32_t* ids, int K, int num_experts
   return mask;
 }
 
+// Pre-reduced rows: a token's partial rows sit at [token][j], j = 0, 1, ... over the distinct ranks of its live
+// slots in ascending order (at most K of them, whatever the world size). Called by a whole warp, lane k holding
+// slot k's rank (`slot_rank`, for k < K): the place of `rank` (the number of distinct ranks below it).
+__device__ inline int partial_place(unsigned live, int slot_rank, int rank) {
+  const int lane = threadIdx.x % 32;
+  const bool is_live = live >> lane & 1u;
+  const int key = is_live ? slot_rank : -1 - lane;  // dead lanes match no other lane
+  const bool first_of_rank = is_live && __ffs(__match_any_sync(0xffffffffu, key)) - 1 == lane;
+  return __popc(__ballot_sync(0xffffffffu, first_of_rank && slot_rank < rank));
+}
+
 // 16-byte loads each lane has in flight before it stores them: 16 covers an R1 fp8 row (7,168 bytes) in one pass.
 constexpr int kCopyDepth = 16;
 

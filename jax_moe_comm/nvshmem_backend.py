@@ -94,9 +94,9 @@ def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False, 
         ("dispatch_ids", slots * K * 4),
         ("dispatch_ready", words),
         *([("combine_staging", s["capacity"] * s["combine_stride"])] if staging else []),
-        # A combine sends rows per slot ([T][K]) or pre-reduced rows per expert rank ([world][T]), never both: the two
-        # layouts share these bytes.
-        ("combine_rows", max(T * K, world * T) * s["combine_stride"]),
+        # A combine sends rows per slot ([T][K]) or pre-reduced rows, one per distinct expert rank of a token (at
+        # most K: [T][K] too), never both: the two layouts share these bytes.
+        ("combine_rows", T * K * s["combine_stride"]),
         ("combine_flags", T * K * 8),
         ("sync_flags", words),
         ("combine_weights", slots * K * 4),
