@@ -108,6 +108,15 @@ NB_MODULE(_nvshmem_ext, m) {
         "Collective: allocate one MoEComm's symmetric buffers (layout: name -> (offset, bytes)) for an EP group "
         "(pe_of_rank: the NVSHMEM PE of each of its ranks); returns the context's id, the handlers' `context` "
         "attribute.");
+  m.def("share_context", [](int64_t owner, const std::map<std::string, int64_t>& sizes,
+                            const std::map<std::string, std::pair<size_t, size_t>>& layout, int ids_first_min_tokens) {
+    std::string error;
+    jmc::Context* ctx = jmc::share_context(context(owner), sizes_from(sizes), layout, ids_first_min_tokens, &error);
+    if (ctx == nullptr) throw std::runtime_error("jax_moe_comm: " + error);
+    return jmc::register_context(ctx);
+  }, nb::arg("owner"), nb::arg("sizes"), nb::arg("layout"), nb::arg("ids_first_min_tokens"),
+        "A context of another config on the owner's buffers and protocol state (not collective); returns its id. "
+        "Destroy it before its owner.");
   m.def("destroy_context", [](int64_t id) {
     jmc::Context* ctx = context(id);
     jmc::unregister_context(id);

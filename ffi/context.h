@@ -167,7 +167,8 @@ struct Context {
                               // replica per DP group, and MoEComm's ids_first_min_tokens tokens per rank or more
                               // (and block_counts allocated)
   char* base;                 // the symmetric allocation
-  size_t symmetric_bytes;
+  size_t symmetric_bytes;     // bytes this context allocated (0 for a shared context: its owner's)
+  Context* owner;             // share_context: the context whose buffers, words and host state these are; else null
   const Context* on_device;   // this struct's copy in device memory, for the kernels' failure paths (JMC_COLD)
 };
 

@@ -84,6 +84,36 @@ T* optional_region(char* base, const Layout& layout, const char* name) {
   return it == layout.end() ? nullptr : reinterpret_cast<T*>(base + it->second.first);
 }
 
+// The ids-first dispatch and its per-block histograms (local device memory, read only by that kernel; never read
+// before written in the same call: no zeroing). Without them the fused dispatch sends first.
+void choose_ids_first(Context* ctx, int ids_first_min_tokens) {
+  const Sizes& s = ctx->s;
+  ctx->block_counts = nullptr;
+  ctx->ids_first = ctx->p2p && s.dp_size == 1 && s.max_tokens >= ids_first_min_tokens;
+  const size_t count_bytes = static_cast<size_t>(s.local_experts) * s.num_dp * kMaxBlocksPerSm * s.sm_count *
+                             sizeof(int32_t);
+  if (ctx->ids_first && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) {
+    ctx->block_counts = nullptr;
+    ctx->ids_first = false;
+  }
+}
+
+// The context's copy in device memory (Context::on_device), for the kernels' failure paths.
+std::string copy_to_device(Context* ctx) {
+  Context* on_device = nullptr;
+  if (cudaMalloc(&on_device, sizeof(Context)) != cudaSuccess) return "copying a context to the device failed";
+  ctx->on_device = on_device;
+  if (cudaMemcpy(on_device, ctx, sizeof(Context), cudaMemcpyHostToDevice) != cudaSuccess)
+    return "copying a context to the device failed";
+  return {};
+}
+
+// The bytes of the layout's buffer `name` (0 when it has none).
+size_t region_bytes(const Layout& layout, const char* name) {
+  auto it = layout.find(name);
+  return it == layout.end() ? 0 : it->second.second;
+}
+
 }  // namespace
 
 // Thread t puts this PE's answer (1 + reached) into slot my_pe of PE t's words; quiet: landed when the kernel ends.
@@ -199,15 +229,7 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
     destroy_context(ctx, /*collective=*/false);
     return nullptr;
   }
-  // The ids-first dispatch and its per-block histograms (local device memory, read only by that kernel; never read
-  // before written in the same call: no zeroing). Without them the fused dispatch sends first.
-  ctx->ids_first = ctx->p2p && sizes.dp_size == 1 && sizes.max_tokens >= ids_first_min_tokens;
-  const size_t count_bytes = static_cast<size_t>(sizes.local_experts) * sizes.num_dp * kMaxBlocksPerSm *
-                             sizes.sm_count * sizeof(int32_t);
-  if (ctx->ids_first && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) {
-    ctx->block_counts = nullptr;
-    ctx->ids_first = false;
-  }
+  choose_ids_first(ctx, ids_first_min_tokens);
 #ifdef JMC_MEASUREMENT
   if (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
       cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess) {
@@ -215,17 +237,53 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
   }
 #endif
   *error = zero_context(ctx);
-  Context* on_device = nullptr;
-  if (error->empty() && (cudaMalloc(&on_device, sizeof(Context)) != cudaSuccess ||
-                         (ctx->on_device = on_device,
-                          cudaMemcpy(on_device, ctx, sizeof(Context), cudaMemcpyHostToDevice) != cudaSuccess)))
-    *error = "copying a context to the device failed";
-  ctx->on_device = on_device;
+  if (error->empty()) *error = copy_to_device(ctx);
   if (!error->empty()) {
     destroy_context(ctx, false);
     return nullptr;
   }
   nvshmem_barrier_all();  // every rank's buffers are zero before anyone may put into them
+  return ctx;
+}
+
+Context* share_context(Context* owner, const Sizes& sizes, const Layout& layout, int ids_first_min_tokens,
+                       std::string* error) {
+  const Sizes& o = owner->s;
+  if (owner->owner != nullptr || sizes.rank != o.rank || sizes.world != o.world || sizes.dp_size != o.dp_size ||
+      sizes.max_tokens != o.max_tokens || sizes.experts_per_token != o.experts_per_token ||
+      sizes.num_experts != o.num_experts) {
+    *error = "a shared context needs its owner's EP group, routing and token count";
+    return nullptr;
+  }
+  // Every buffer whose size depends on the payload or the capacity holds this config's too.
+  const size_t slots = static_cast<size_t>(sizes.world) * sizes.slots_per_source;
+  const bool fits =
+      layout_bytes(layout) == owner->symmetric_bytes &&
+      region_bytes(layout, "dispatch_slots") >= slots * sizes.token_stride &&
+      region_bytes(layout, "combine_rows") >=
+          static_cast<size_t>(sizes.max_tokens) * sizes.experts_per_token * sizes.combine_stride &&
+      (owner->dispatch_staging == nullptr ||
+       region_bytes(layout, "dispatch_staging") >= static_cast<size_t>(sizes.max_tokens) * sizes.token_stride) &&
+      (owner->combine_staging == nullptr ||
+       region_bytes(layout, "combine_staging") >= static_cast<size_t>(sizes.capacity) * sizes.combine_stride);
+  if (!fits) {
+    *error = "the owner's buffers are too small for the shared context's config";
+    return nullptr;
+  }
+  auto* ctx = new Context(*owner);  // the owner's buffers, words, host state and NVLink offsets
+  ctx->s = sizes;
+  ctx->symmetric_bytes = 0;
+  ctx->owner = owner;
+  ctx->on_device = nullptr;
+#ifdef JMC_MEASUREMENT
+  ctx->marks = nullptr;  // the owner's stamps only
+#endif
+  choose_ids_first(ctx, ids_first_min_tokens);
+  *error = copy_to_device(ctx);
+  if (!error->empty()) {
+    destroy_context(ctx, false);
+    return nullptr;
+  }
   return ctx;
 }
 
@@ -247,6 +305,7 @@ std::string zero_context(Context* ctx) {
 }
 
 std::string reset_context(Context* ctx) {
+  if (ctx->owner != nullptr) return reset_context(ctx->owner);  // one state for both
   // Every rank's kernels have ended (this device's, then the barrier: every rank's) before any buffer is zeroed, and
   // every rank's are zero before any rank's next kernel can write into a peer's.
   if (cudaDeviceSynchronize() != cudaSuccess) return "waiting for the device failed";
@@ -340,6 +399,12 @@ void unregister_context(int64_t id) {
 }
 
 void destroy_context(Context* ctx, bool collective) {
+  if (ctx->owner != nullptr) {  // what it holds of its own
+    if (ctx->block_counts != nullptr) cudaFree(ctx->block_counts);
+    if (ctx->on_device != nullptr) cudaFree(const_cast<Context*>(ctx->on_device));
+    delete ctx;
+    return;
+  }
 #ifdef JMC_MEASUREMENT
   if (ctx->marks != nullptr) cudaFree(ctx->marks);
 #endif

@@ -42,6 +42,14 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
                         int ids_first_min_tokens,
                         std::string* error);
 
+// Not collective: a context of another config (`sizes`: same EP group, routing and token count) on `owner`'s
+// buffers and protocol state, for round trips that run strictly in turn with the owner's (an fp8 layer's backward
+// round trips in their gradient dtype): one epoch sequence, one phase order, one failure state for both. `layout`
+// is the owner's, with each buffer large enough for either config (checked). Destroyed before its owner; resetting
+// either resets both.
+Context* share_context(Context* owner, const Sizes& sizes, const Layout& layout, int ids_first_min_tokens,
+                       std::string* error);
+
 // Contexts by id, the handlers' `context` attribute (ids are never reused: a compiled program names its context,
 // and a cached program must never reach another one). register_context returns the new id.
 int64_t register_context(Context* ctx);

@@ -191,16 +191,18 @@ class MoEComm:
                 raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {np.dtype(grad_dtype).name}")
         self.grad_dtype = None if grad_dtype is None else np.dtype(grad_dtype)
         self.combine_weights_at = "send" if cfg.max_tokens >= options.prereduce_min_tokens else "recv"
+        # An fp8 layer's backward round trips (see autodiff.py) carry grad_dtype rows on the same buffers, each
+        # buffer sized for the larger of the two configs; they run in turn with the forward's (data orders them).
+        grad_geo = None if grad_dtype is None else Geometry(cfg.gradient_config(self.world, grad_dtype), self.world,
+                                                            ep_axes, options)
+        self._shared_with = () if grad_geo is None else (grad_geo.cfg,)
         if self.backend == "nvshmem":
-            impl, plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh)
+            impl, plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh, self._shared_with)
+            grad_plan = None if grad_geo is None else nvshmem_backend.share_plan(plan, grad_geo)
         else:
-            impl, plan = reference, self._geo
-        # The buffers of an fp8 layer's backward round trip (see autodiff.py), in grad_dtype.
-        self._grad_comm = None if grad_dtype is None else MoEComm(
-            cfg.gradient_config(self.world, grad_dtype), mesh, ep_axes,
-            backend=self.backend, batch_axes=self.batch_axes, custom_vjp=False, **dataclasses.asdict(options))
-        self._phases = autodiff.Phases(impl, plan, self._geo, self.combine_weights_at,
-                                       None if self._grad_comm is None else self._grad_comm._phases)
+            impl, plan, grad_plan = reference, self._geo, grad_geo
+        grad = None if grad_geo is None else autodiff.Phases(impl, grad_plan, grad_geo, self.combine_weights_at)
+        self._phases = autodiff.Phases(impl, plan, self._geo, self.combine_weights_at, grad)
 
     @property
     def timeout_s(self) -> float:
@@ -228,26 +230,22 @@ class MoEComm:
         no synchronization: call it after the step's outputs are ready, e.g. after the last step). A routing error
         is raised once; a protocol failure until ``reset()``. The reference backend raises in the round trip."""
         if self.backend == "nvshmem" and self._phases is not None:
-            nvshmem_backend.raise_pending(self._phases.plan)
-            if self._grad_comm is not None:
-                self._grad_comm.check()
+            nvshmem_backend.raise_pending(self._phases.plan)  # the backward's buffer set shares its host words
 
     def reset(self) -> None:
         """After a failure, the MoEComm as created (NVSHMEM backend; collective: every process calls it, after the
         failed step has ended). Waits for this device's queued work. A no-op on the reference backend, which keeps
         no state between calls."""
         if self.backend == "nvshmem" and self._phases is not None:
-            nvshmem_backend.reset_plan(self._phases.plan)
-            if self._grad_comm is not None:
-                self._grad_comm.reset()
+            nvshmem_backend.reset_plan(self._phases.plan)  # and the backward's, which shares its state
 
     def close(self) -> None:
         """Frees the NVSHMEM symmetric buffers (collective: every process closes its MoEComm in the same order)."""
         if self.backend == "nvshmem" and self._phases is not None:
+            if self._phases.grad is not None:  # before the buffers it shares
+                nvshmem_backend.destroy_plan(self._phases.grad.plan)
             nvshmem_backend.destroy_plan(self._phases.plan)
             self._phases = None
-        if self._grad_comm is not None:
-            self._grad_comm.close()
 
     # Static sizes ------------------------------------------------------------------------------------
     @property
@@ -264,11 +262,12 @@ class MoEComm:
         """NVSHMEM symmetric heap this MoEComm takes per GPU on the NVSHMEM backend: what it allocated (with the
         staging buffers only where a peer is off NVLink or ``staged=True``). The reference backend uses none; it
         reports the figure of a job on NVLink, for sizing NVSHMEM_SYMMETRIC_SIZE. One MoEComm serves every layer of
-        a model, so this is the model's heap (with an fp8 payload's grad_dtype buffer set included)."""
-        grad = self._grad_comm.symmetric_bytes if self._grad_comm is not None else 0
+        a model, so this is the model's heap (an fp8 payload's backward round trips in grad_dtype included: they
+        share the buffers, each sized for the larger config)."""
         if self.backend == "nvshmem" and self._phases is not None:
-            return nvshmem_backend.plan_bytes(self._phases.plan) + grad
-        return nvshmem_backend.symmetric_bytes(self.cfg, self.world, staging=self.options.staged) + grad
+            return nvshmem_backend.plan_bytes(self._phases.plan)
+        return nvshmem_backend.symmetric_bytes(self.cfg, self.world, staging=self.options.staged,
+                                               shared_with=self._shared_with)
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())

@@ -20,13 +20,11 @@ GIB = 2**30
 
 
 def heap_bytes(cfg: MoECommConfig, world: int, grad_dtype: Any = None, staging: bool = False) -> int:
-    """Symmetric heap per GPU of one MoEComm of `cfg` over `world` EP ranks (``comm.symmetric_bytes``): its buffer set
-    plus, for an fp8 payload with grad_dtype, the backward round trip's. ``staging``: with the buffers of the path to
-    peers off NVLink."""
-    heap = nvshmem_backend.symmetric_bytes(cfg, world, staging)
-    if grad_dtype is not None:
-        heap += nvshmem_backend.symmetric_bytes(cfg.gradient_config(world, grad_dtype), world, staging)
-    return heap
+    """Symmetric heap per GPU of one MoEComm of `cfg` over `world` EP ranks (``comm.symmetric_bytes``): its buffer set,
+    for an fp8 payload with grad_dtype sized for the backward round trips' rows too. ``staging``: with the buffers of
+    the path to peers off NVLink."""
+    shared = () if grad_dtype is None else (cfg.gradient_config(world, grad_dtype),)
+    return nvshmem_backend.symmetric_bytes(cfg, world, staging, shared)
 
 
 def expert_x_bytes(cfg: MoECommConfig, world: int) -> int:

@@ -77,18 +77,13 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
     )
 
 
-def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False, staging: bool = False
-                     ) -> dict[str, tuple[int, int]]:
-    """The symmetric allocation of one MoEComm on each rank: buffer name -> (offset, bytes), each 16-byte aligned.
-    The only definition: the extension carves its buffers by these names (ffi/context.h says what each holds).
-    ``measurement``: with the measurement build's probe word. ``staging``: with the staging buffers of the path to
-    peers off NVLink (``staged=True``, or a job whose peers are not all reachable by NVLink stores); a job whose
-    peers all are never touches them, and they are the largest buffer of a worst-case capacity."""
+def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bool) -> list[tuple[str, int]]:
+    """(name, bytes) of every buffer one config needs, in allocation order (ffi/context.h says what each holds)."""
     s = kernel_sizes(cfg, world, 0)
     slots, T, K = world * s["slots_per_source"], s["max_tokens"], s["experts_per_token"]
     words = _round16(world * 8)  # one u64 per rank
     status = 4 * errors.STATUS_WORDS
-    sizes = [
+    return [
         *([("dispatch_staging", T * s["token_stride"])] if staging else []),
         ("dispatch_slots", slots * s["token_stride"]),
         ("dispatch_ids", slots * K * 4),
@@ -108,16 +103,33 @@ def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False, 
         ("abort_word", 8),
         ("row_of", s["num_dp"] * T * K * 4),  # local: the pre-reduced combine_send's inverse of row_origin
     ]
+
+
+def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False, staging: bool = False,
+                     shared_with: tuple[MoECommConfig, ...] = ()) -> dict[str, tuple[int, int]]:
+    """The symmetric allocation of one MoEComm on each rank: buffer name -> (offset, bytes), each 16-byte aligned.
+    The only definition: the extension carves its buffers by these names (ffi/context.h says what each holds).
+    ``measurement``: with the measurement build's probe word. ``staging``: with the staging buffers of the path to
+    peers off NVLink (``staged=True``, or a job whose peers are not all reachable by NVLink stores); a job whose
+    peers all are never touches them, and they are the largest buffer of a worst-case capacity. ``shared_with``:
+    configs whose round trips run in turn on the same buffers (an fp8 layer's backward in its gradient dtype): each
+    buffer holds the largest of them."""
+    sizes: dict[str, int] = {}
+    for c in (cfg, *shared_with):
+        for name, size in _buffer_sizes(c, world, measurement, staging):
+            sizes[name] = max(sizes.get(name, 0), size)
     layout, offset = {}, 0
-    for name, size in sizes:
+    for name, size in sizes.items():
         layout[name] = (offset, _round16(size))
         offset += _round16(size)
     return layout
 
 
-def symmetric_bytes(cfg: MoECommConfig, world: int, staging: bool = False) -> int:
-    """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (``staging``: see symmetric_layout)."""
-    layout = symmetric_layout(cfg, world, _native.measurement_build(), staging)
+def symmetric_bytes(cfg: MoECommConfig, world: int, staging: bool = False,
+                    shared_with: tuple[MoECommConfig, ...] = ()) -> int:
+    """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (``staging``, ``shared_with``: see
+    symmetric_layout)."""
+    layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with)
     return sum(size for _, size in layout.values())
 
 
@@ -128,6 +140,9 @@ class Plan:
     geo: Geometry
     ctx: int
     p2p: bool  # stores reach every peer (NVLink): the fused calls run one kernel each, combine_send pre-reduces
+    rank: int  # this process's rank in its EP group
+    layout: dict[str, tuple[int, int]]  # the symmetric allocation, this plan's own or (shared) its owner's
+    owner: Plan | None = None  # the plan whose buffers and protocol state this one shares (share_plan)
 
 
 def ep_group(mesh, ep_axes: tuple[str, ...], device) -> tuple[int, list]:
@@ -145,9 +160,10 @@ def ep_group(mesh, ep_axes: tuple[str, ...], device) -> tuple[int, list]:
     return devices.index(device), devices
 
 
-def create_plan(geo: Geometry, mesh) -> Plan:
+def create_plan(geo: Geometry, mesh, shared_with: tuple[MoECommConfig, ...] = ()) -> Plan:
     """Collective (every process, same order): allocates one MoEComm's symmetric buffers. Each EP group of the mesh
-    (one per coordinate of its other axes) exchanges among its own PEs; one symmetric allocation per process."""
+    (one per coordinate of its other axes) exchanges among its own PEs; one symmetric allocation per process.
+    ``shared_with``: configs that will share these buffers (share_plan), each buffer sized for the largest."""
     rt = runtime.current()
     if rt is None:
         raise RuntimeError("backend='nvshmem' needs jax_moe_comm.initialize() first (after jax.distributed)")
@@ -163,20 +179,32 @@ def create_plan(geo: Geometry, mesh) -> Plan:
         raise ValueError("the NVSHMEM backend needs one GPU per process: an EP group holds two devices of process "
                          f"{max(pes, key=pes.count)}")
     _register_targets()
-    ctx = create_context(cfg, geo.world, rank, geo.options, pes)
-    return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)))
+    ctx, layout = create_context(cfg, geo.world, rank, geo.options, pes, shared_with)
+    return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)), rank, layout)
 
 
-def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, pe_of_rank: list[int] | None = None
-                   ) -> int:
-    """Collective: the extension's context of one MoEComm on this rank (its id). pe_of_rank: the NVSHMEM PE of each
-    rank of the EP group (default: rank r is PE r, the group of every PE). The staging buffers are allocated when
-    some process of the job needs them (an allocation has one size on every process)."""
+def share_plan(owner: Plan, geo: Geometry) -> Plan:
+    """A plan of another config (``geo``: created with ``shared_with`` holding its config) on `owner`'s buffers and
+    protocol state: their round trips form one sequence (one epoch count, one phase order, one failure state), so a
+    round trip of one that overlaps one of the other fails with an "expected <phase>" error instead of mixing rows.
+    Not collective; close it before its owner."""
+    sizes = kernel_sizes(geo.cfg, geo.world, owner.rank, _native.ext.sm_count(), geo.options.timeout_s)
+    ctx = _native.ext.share_context(owner.ctx, sizes, owner.layout, geo.options.ids_first_min_tokens)
+    return Plan(geo, ctx, owner.p2p, owner.rank, owner.layout, owner)
+
+
+def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, pe_of_rank: list[int] | None = None,
+                   shared_with: tuple[MoECommConfig, ...] = ()) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Collective: the extension's context of one MoEComm on this rank (its id) and its symmetric layout. pe_of_rank:
+    the NVSHMEM PE of each rank of the EP group (default: rank r is PE r, the group of every PE). The staging buffers
+    are allocated when some process of the job needs them (an allocation has one size on every process)."""
     pes = list(range(world)) if pe_of_rank is None else list(pe_of_rank)
     staging = options.staged or not _native.ext.job_on_nvlink(pes)
     sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s)
-    return _native.ext.create_context(sizes, symmetric_layout(cfg, world, _native.measurement_build(), staging), pes,
-                                      staged=options.staged, ids_first_min_tokens=options.ids_first_min_tokens)
+    layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with)
+    ctx = _native.ext.create_context(sizes, layout, pes, staged=options.staged,
+                                     ids_first_min_tokens=options.ids_first_min_tokens)
+    return ctx, layout
 
 
 def plan_bytes(plan: Plan) -> int:

@@ -212,10 +212,27 @@ def test_r1_whole_model_heap_at_ep8_fits_2_gib():
     assert heap <= 2 * memory.GIB, f"{heap / memory.GIB:.2f} GiB"
 
 
-@pytest.mark.xfail(strict=True, reason="at EP64 the dispatch slots ([world][max_tokens] rows) and the pre-reduced "
-                                       "combine rows alone exceed 4 GiB; they need a windowed transfer")
 def test_r1_whole_model_heap_at_ep64_fits_4_gib():
+    """At EP64 the model's heap is the dispatch slots of the bf16 gradient rows (a source's tokens at [world][T]) and
+    the combine rows at [T][K] (pre-reduced rows placed per token, not per rank): at most 4 GiB at 4096 tokens."""
     from jax_moe_comm import memory
 
     heap = memory.heap_bytes(memory.r1_config(4096), 64, jnp.bfloat16)
     assert heap <= 4 * memory.GIB, f"{heap / memory.GIB:.2f} GiB"
+
+
+def test_the_backward_round_trips_share_the_forwards_buffers():
+    """An fp8 MoEComm with grad_dtype holds one buffer set, each buffer the larger of the forward's (fp8 rows and
+    scales) and the backward's (grad_dtype rows): not the sum of two sets."""
+    from jax_moe_comm import memory, nvshmem_backend
+
+    cfg = memory.r1_config(4096)
+    grad = cfg.gradient_config(8, jnp.bfloat16)
+    forward, backward = (nvshmem_backend.symmetric_layout(c, 8) for c in (cfg, grad))
+    shared = nvshmem_backend.symmetric_layout(cfg, 8, shared_with=(grad,))
+    assert shared.keys() == forward.keys() == backward.keys()
+    assert all(shared[name][1] == max(forward[name][1], backward[name][1]) for name in shared)
+    assert shared["dispatch_slots"][1] == backward["dispatch_slots"][1] > forward["dispatch_slots"][1]
+    total = memory.heap_bytes(cfg, 8, jnp.bfloat16)
+    assert total == sum(size for _, size in shared.values())
+    assert total < sum(size for _, size in forward.values()) + sum(size for _, size in backward.values())

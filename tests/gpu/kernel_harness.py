@@ -144,7 +144,7 @@ def create_context(cfg, world, rank, pes=None, **options):
     the EP group of PEs `pes` (by rank; default every PE). Returns (context id, its Sizes)."""
     opts = Options(**{**RUN, **options})
     sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), opts.timeout_s)
-    return create_backend_context(cfg, world, rank, opts, pes), sizes
+    return create_backend_context(cfg, world, rank, opts, pes)[0], sizes
 
 
 def reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize=False):
@@ -296,6 +296,74 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
                 f"{repeats} trips {combines}, {kernels}")
     finally:
         _native.ext.destroy_context(ctx)
+
+
+def draw_case(cfg, world, seed):
+    """Fresh inputs of one round trip of `cfg` (the same on every rank: x, ids, w, scales, counts) and the
+    reference's outputs."""
+    rng = np.random.default_rng(seed)
+    T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, "uniform", world * T, cfg, world)
+    w = rng.random((world * T, K)).astype(np.float32)
+    scales = (rng.random((world * T, cfg.scale_cols)) + 0.5).astype(np.float32) if cfg.is_fp8 else None
+    counts = np.full(world, T, np.int32)
+    return (x, ids, w, scales, counts), reference_round_trip(cfg, world, x, ids, w, scales, counts)
+
+
+def shared_buffer_set(rank, world, seed) -> str:
+    """An fp8 config and its bf16 gradient config on one buffer set (share_context), as an fp8 layer's forward and
+    backward round trips share a MoEComm's: round trips of the two in turn each give the reference's outputs (the
+    bf16 rows in buffers sized for both); a dispatch of one while a round trip of the other is open fails as out of
+    order on every rank, refusing both; a reset of either restores both."""
+    cfg = FP8(32, 8, 512, 16, 128)
+    grad = cfg.gradient_config(world, jnp.bfloat16)
+    ext, opts = _native.ext, Options(**RUN)
+    owner, layout = create_backend_context(cfg, world, rank, opts, None, (grad,))
+    sizes = kernel_sizes(cfg, world, rank, ext.sm_count(), opts.timeout_s)
+    grad_sizes = kernel_sizes(grad, world, rank, ext.sm_count(), opts.timeout_s)
+    shared = ext.share_context(owner, grad_sizes, layout, opts.ids_first_min_tokens)
+    T, rows = cfg.max_tokens, slice(rank * cfg.max_tokens, (rank + 1) * cfg.max_tokens)
+    try:
+        assert ext.context_bytes(shared) == 0, "a shared context allocated symmetric memory"
+        p2p = bool(ext.context_p2p(owner))
+
+        def trip(ctx, c, s, case_seed, weights_at, fused):
+            (x, ids, w, scales, _), ref = draw_case(c, world, case_seed)
+            got = kernel_round_trip(ctx, p2p, c, s, x[rows], ids[rows], w[rows],
+                                    None if scales is None else scales[rows], T, weights_at, fused)
+            check_round_trip(got, ref, rank, T, s["capacity"], s["local_experts"], c, weights_at)
+
+        both = [(owner, cfg, sizes), (shared, grad, grad_sizes)]
+        ways = [(w, f) for f in (False, True)[:2 if p2p else 1] for w in (("send", "recv") if p2p else ("recv",))]
+        for i, (weights_at, fused) in enumerate(ways):
+            for j, (ctx, c, s) in enumerate(both):
+                trip(ctx, c, s, seed + 2 * i + j, weights_at, fused)
+        # The fp8 dispatch, then the bf16 one before the fp8 combine.
+        mem = DeviceArrays()
+        try:
+            statuses = []
+            for ctx, c, s in both:
+                (x, ids, w, scales, _), _ = draw_case(c, world, seed + 100)
+                args, out = round_trip_buffers(mem, p2p, c, s, x[rows], ids[rows], w[rows],
+                                               None if scales is None else scales[rows], T, "recv")
+                for phase, a in round_trip_launches(args, False)[0]:
+                    ext.launch_phase(ctx, phase, a)
+                checked(cudart.cudaDeviceSynchronize())
+                statuses.append(DeviceArrays.get(out["status"][0], (errors.STATUS_WORDS,), np.int32))
+        finally:
+            mem.free()
+        assert statuses[0][errors.CODE] == 0, f"the fp8 dispatch failed: {errors.describe(statuses[0])}"
+        interleaved = errors.describe(statuses[1])
+        assert statuses[1][errors.CODE] & errors.OUT_OF_ORDER and "expected combine_send" in interleaved, interleaved
+        ext.reset_context(shared)  # collective; the owner's state too
+        for j, (ctx, c, s) in enumerate(reversed(both)):
+            trip(ctx, c, s, seed + 200 + j, "recv", False)
+        return (f"{len(ways)} x fp8 then bf16 round trips correct on {ext.context_bytes(owner)} B; interleaved: "
+                f"{interleaved.split(': ', 1)[-1][:60]}; after reset both correct")
+    finally:
+        ext.destroy_context(shared)
+        ext.destroy_context(owner)
 
 
 def ep_groups(rank, world, seed, cfg, kind, options=None) -> str:
@@ -525,6 +593,7 @@ FAULTS = {
     "fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False),
     "fault: a rank that never arrives, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, True),
     "fault: capacity overflow at T=4096": fault_overflow,
+    "shared buffer set: fp8 and bf16 round trips in turn, interleaving refused": shared_buffer_set,
 }
 
 

@@ -670,6 +670,51 @@ def _timeout_on_rank0(comm) -> str:
     raise AssertionError("no timeout raised")
 
 
+def case_backward_set_out_of_order(mesh, seed):
+    """An fp8 MoEComm's backward round trips (rows in grad_dtype) run on its own buffers and share its order of one
+    round trip at a time: a backward dispatch between a forward dispatch and its combine is refused like any two
+    interleaved round trips (NaN on every rank, then the expected-phase message; refused until reset)."""
+    from jax_moe_comm import _native
+
+    world, T = mesh.shape["ep"], 16
+    cfg = jmc.MoECommConfig(8, 2, 128, T, dtype=jnp.float8_e4m3fn, scale_block=128)
+    comm = make_comm(cfg, mesh, "nvshmem", grad_dtype=jnp.bfloat16)
+    forward, backward = comm._phases, comm._phases.grad
+    assert _native.ext.context_bytes(backward.plan.ctx) == 0, "the backward's round trips allocated buffers"
+    n = jnp.int32(T)
+
+    def shard(x8, scales, x16, ids, w):
+        first = forward.dispatch(x8, ids, scales, n)
+        x16, _ = jax.lax.optimization_barrier((x16, first))  # the backward's dispatch after the forward's
+        second = backward.dispatch(x16, ids, None, n)
+        y1, _ = jax.lax.optimization_barrier((first.expert_x.astype(jnp.bfloat16), second))
+        out1 = forward.combine(y1, first.handle, w)
+        y2, _ = jax.lax.optimization_barrier((second.expert_x, out1))
+        return out1.astype(jnp.float32) + backward.combine(y2, second.handle, w).astype(jnp.float32)
+
+    rows = world * T
+    ids = to_global(mesh, np.tile(np.array([[0, 5]], np.int32), (rows, 1)))
+    x8 = to_global(mesh, np.ones((rows, 128), jnp.float8_e4m3fn))
+    scales = to_global(mesh, np.ones((rows, 1), np.float32))
+    x16 = to_global(mesh, np.ones((rows, 128), jnp.bfloat16))
+    w = to_global(mesh, np.ones((rows, 2), np.float32))
+    f = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    try:
+        said = deferred_raise(lambda: f(x8, scales, x16, ids, w), "while this MoEComm expected")
+        comm.reset()
+
+        def round_trip(x8, scales, ids, w):
+            d = comm.dispatch(x8, ids, scales)
+            return comm.combine(d.expert_x.astype(jnp.bfloat16), d.handle, w)
+
+        y = gather(jax.jit(jax.shard_map(round_trip, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+            x8, scales, ids, w))
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.full((rows, 128), 2.0, np.float32))
+        return said + "; after reset correct"
+    finally:
+        comm.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
@@ -770,6 +815,8 @@ def main() -> int:
             mesh, s)),
         ("grad: fp8 dispatch, bf16 gradients", lambda s: case_grad_fp8(mesh, s)),
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
+        ("a backward dispatch inside a forward round trip (fp8, grad_dtype)",
+         lambda s: case_backward_set_out_of_order(mesh, s)),
         ("the bench's floor probe", lambda s: case_probe(mesh, s)),
         ("the bench's floor probe, flagged words", lambda s: case_probe(mesh, s, flagged=True)),
         ("ids first: interleaved round trips", lambda s: ids_first(lambda: case_out_of_order(mesh, s))),
