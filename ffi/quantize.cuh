@@ -1,7 +1,9 @@
 // dispatch_send's in-kernel quantization (DispatchSendArgs::quantize): bf16 rows to float8_e4m3fn with one fp32
 // scale per block of B = hidden / scale_cols elements, as the rows are sent. The arithmetic of the reference
 // quantizer (jax_moe_comm/quantize.py), in fp32, bit for bit: scale = amax * float(1 / 448) (1 for an all-zero
-// block), then x * (1 / scale) clamped to +-448 and rounded to nearest even.
+// block), then x * (1 / scale) clamped to +-448 and rounded to nearest even. NaN propagates as in XLA's max and
+// clamp: a block with a NaN has amax NaN (scale 1) and keeps its NaN; an infinity gives scale inf and NaN for itself
+// (inf * 0), so no non-finite input turns into finite rows.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,9 +18,15 @@ constexpr int kQuantBatch = 8;  // 16-byte fp8 words per lane whose bf16 loads t
 
 __device__ inline float block_scale(float amax) { return amax > 0.f ? amax * (1.f / kFp8Max) : 1.f; }
 
+// max(a, b), NaN if either is (fmaxf ignores a NaN).
+__device__ inline float nan_max(float a, float b) { return a > b || a != a ? a : b; }
+
+// x clamped to +-448, NaN kept (fminf/fmaxf would turn it into a bound).
+__device__ inline float clamp_fp8(float x) { return x != x ? x : fminf(fmaxf(x, -kFp8Max), kFp8Max); }
+
 // Two quantized values, packed low first (the byte order of a float8 array).
 __device__ inline uint32_t fp8_pair(float a, float b) {
-  const float2 v = make_float2(fminf(fmaxf(a, -kFp8Max), kFp8Max), fminf(fmaxf(b, -kFp8Max), kFp8Max));
+  const float2 v = make_float2(clamp_fp8(a), clamp_fp8(b));
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3));
 }
 
@@ -30,8 +38,8 @@ __device__ inline void warp_quantize_row(char* payload, float* scales, const __n
   for (int b = 0; b < s.scale_cols; ++b) {
     const __nv_bfloat16* xb = x + static_cast<size_t>(b) * block;
     float amax = 0.f;
-    for (int i = lane; i < block; i += 32) amax = fmaxf(amax, fabsf(__bfloat162float(xb[i])));
-    for (int offset = 16; offset; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    for (int i = lane; i < block; i += 32) amax = nan_max(amax, fabsf(__bfloat162float(xb[i])));
+    for (int offset = 16; offset; offset >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const float scale = block_scale(amax), inverse = 1.f / scale;
     for (int i = lane; i < block; i += 32)
       payload[static_cast<size_t>(b) * block + i] = static_cast<char>(fp8_pair(__bfloat162float(xb[i]) * inverse, 0.f));
@@ -85,10 +93,10 @@ __device__ inline void store_quantized_row(const Sizes& s, const __nv_bfloat16* 
           v[8 + e] = __bfloat162float(hi[e]);
         }
 #pragma unroll
-        for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(v[e]));
+        for (int e = 0; e < 16; ++e) amax = nan_max(amax, fabsf(v[e]));
       }
       for (int offset = 1; offset < lanes_per_block; offset <<= 1)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       const float scale = block_scale(amax), inverse = 1.f / scale;
       uint32_t packed[4] = {};
       if (w < words) {

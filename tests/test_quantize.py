@@ -40,6 +40,22 @@ def test_quantize_rows_is_block_amax_scaling_rounded_to_nearest_even(rng):
     assert np.all(np.abs(np.asarray(q, np.float32)).reshape(6, -1, BLOCK).max(-1)[np.asarray(scales) != 1] == 448)
 
 
+def test_non_finite_inputs_stay_non_finite():
+    """A NaN keeps its place (its block's amax is NaN: scale 1, the other elements unscaled, clipped to +-448); an
+    infinity makes its block's scale inf, itself NaN (inf * 0) and the rest zero: every such block dequantizes to
+    NaN or inf somewhere, never to finite numbers alone. The kernels follow the same rule (tests/gpu: "NaN and
+    inf")."""
+    x = np.ones((3, H), np.float32)
+    x[0, 1], x[1, 2], x[2, 3] = np.nan, np.inf, -np.inf
+    q, scales = quantize_rows(jnp.asarray(x, jnp.bfloat16), BLOCK)
+    q, scales = np.asarray(q, np.float32), np.asarray(scales)
+    assert np.isnan(q[0, 1]) and scales[0, 0] == 1.0 and np.all(q[0, [0, 2, 3]] == 1.0)
+    for row, col in ((1, 2), (2, 3)):
+        assert scales[row, 0] == np.inf and np.isnan(q[row, col])
+        assert not np.delete(q[row, :BLOCK], col).any()
+    assert np.all(np.isfinite(q[:, BLOCK:])) and np.all(scales[:, 1:] == scales[0, 1])  # other blocks unchanged
+
+
 def _comm(**options) -> MoEComm:
     cfg = MoECommConfig(E, K, H, T, dtype=jnp.float8_e4m3fn, scale_block=BLOCK, out_dtype=jnp.float32)
     return MoEComm(cfg, ep_mesh(WORLD), backend="reference", **options)

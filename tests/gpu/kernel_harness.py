@@ -45,6 +45,7 @@ from jax_moe_comm.nvshmem_backend import kernel_sizes, row_type  # noqa: E402
 C = jmc.MoECommConfig
 IDS_FIRST = {"ids_first_min_tokens": 1}  # MoEComm options
 QUANTIZE = {"quantize": True}  # the case's x is bf16, quantized by the dispatch (not a MoEComm option)
+NONFINITE = {"nonfinite": True}  # the case's x holds NaN and infinities (not a MoEComm option)
 
 
 def FP8(num_experts, k, hidden, max_tokens, block):  # noqa: N802 (a config maker, like C)
@@ -84,6 +85,10 @@ CASES = {
     "quantize: B96, generic": (FP8(8, 2, 384, 16, 96), "skewed", QUANTIZE),
     "quantize: staged puts": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, "staged": True}),
     "quantize: ids first": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, **IDS_FIRST}),
+    # NaN and infinities stay non-finite as in the reference quantizer (a NaN's block: scale 1, the NaN kept; an
+    # infinity's: scale inf, NaN in its place), by the word-by-word path and the generic one.
+    "quantize: NaN and inf": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, **NONFINITE}),
+    "quantize: NaN and inf, generic": (FP8(8, 2, 384, 16, 96), "uniform", {**QUANTIZE, **NONFINITE}),
 }
 TOO_SLOW_UNDER_SANITIZER = {"many tokens: several batches per block"}
 WEIGHTS_AT = {"send": "at combine_send", "recv": "at combine_recv", "dispatch": "given to dispatch_send"}
@@ -251,12 +256,14 @@ def run_entry(case, rank, world, seed):
     cfg, kind, *options = case
     options = dict(options[0]) if options else {}
     quantize = bool(options.pop("quantize", False))
-    return run_case(rank, world, seed, cfg, kind, options=options, quantize=quantize)
+    nonfinite = bool(options.pop("nonfinite", False))
+    return run_case(rank, world, seed, cfg, kind, options=options, quantize=quantize, nonfinite=nonfinite)
 
 
-def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, quantize=False):
+def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, quantize=False, nonfinite=False):
     """One case on this rank of `world` ranks (the EP group of PEs `pes`, by rank; default every PE). `quantize`:
-    x is bf16 and the fp8 dispatch quantizes it, against the reference quantizer."""
+    x is bf16 and the fp8 dispatch quantizes it, against the reference quantizer. `nonfinite`: some rows of x hold
+    a NaN, +inf or -inf."""
     rng = np.random.default_rng(seed)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
     x = rng.standard_normal((world * T, H)).astype(np.float32)
@@ -267,6 +274,8 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
     if quantize:
         scales = None
         x[:: max(T // 3, 1), : cfg.scale_block] = 0.0  # some all-zero blocks (scale 1)
+    if nonfinite:
+        x[1::5, 3], x[2::5, cfg.hidden - 1], x[3::7, 0] = np.nan, np.inf, -np.inf
     ref = reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize)
     ctx, sizes = create_context(cfg, world, rank, pes, **(options or {}))
     try:
@@ -385,6 +394,15 @@ GROUP_CASES = {
 }
 
 
+def _nan_bits(rows: np.ndarray) -> np.ndarray:
+    """The bytes of float8_e4m3fn rows with every NaN as 0x7f (its two encodings differ in sign only, and which one
+    a NaN computed from inf * 0 gets is the processor's choice); other dtypes' bytes as they are."""
+    bits = rows.view(np.uint8).copy()
+    if rows.dtype == jnp.float8_e4m3fn:
+        bits[(bits & 0x7F) == 0x7F] = 0x7F
+    return bits
+
+
 def check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at):
     """One round trip's outputs against the reference's: the layout bit for bit, y within the dtype's tolerance.
     Returns (rows used, y's relative error)."""
@@ -399,11 +417,14 @@ def check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at):
     assert np.array_equal(row_origin, ref[3][rank * cap:(rank + 1) * cap]), "row_origin differs"
     used = int(ref_sizes.sum())
     ref_x = ref[0][rank * cap:rank * cap + used]
-    assert np.array_equal(expert_x[:used].view(np.uint8), ref_x.view(np.uint8)), "expert_x differs"
+    assert np.array_equal(_nan_bits(expert_x[:used]), _nan_bits(ref_x)), "expert_x differs"
     if cfg.is_fp8:
         assert np.array_equal(expert_scales[:used], ref[1][rank * cap:rank * cap + used]), "scales differ"
     y32, ref32 = y.astype(np.float32), ref[4][rows].astype(np.float32)
-    err = float(np.abs(y32 - ref32).max() / max(np.abs(ref32).max(), 1e-30))
+    assert np.array_equal(np.isnan(y32), np.isnan(ref32)), "y is NaN elsewhere than the reference's"
+    finite = ~np.isnan(ref32)
+    y32, ref32 = y32[finite], ref32[finite]
+    err = float(np.abs(y32 - ref32).max(initial=0.0) / max(np.abs(ref32).max(initial=0.0), 1e-30))
     tol = TOLERANCE[np.dtype(cfg.out_dtype).name]
     assert err <= tol, f"combine rel err {err:.2e} (weights {WEIGHTS_AT[weights_at]}) > {tol}"
     return used, err
