@@ -239,7 +239,8 @@ __device__ inline int partial_place(unsigned live, int slot_rank, int rank) {
   const int lane = threadIdx.x % 32;
   const bool is_live = live >> lane & 1u;
   const int key = is_live ? slot_rank : -1 - lane;  // dead lanes match no other lane
-  const bool first_of_rank = is_live && __ffs(__match_any_sync(0xffffffffu, key)) - 1 == lane;
+  const unsigned same_rank = __match_any_sync(0xffffffffu, key);  // every lane (not behind the && below)
+  const bool first_of_rank = is_live && __ffs(same_rank) - 1 == lane;
   return __popc(__ballot_sync(0xffffffffu, first_of_rank && slot_rank < rank));
 }
 
