@@ -20,14 +20,17 @@ def quantize_rows(x: Array, scale_block: int) -> tuple[Array, Array]:
     """x [N, H] (any float dtype) -> (float8_e4m3fn [N, H], float32 scales [N, H // scale_block]).
 
     Per block of ``scale_block`` elements, in float32: ``scale = amax * float32(1 / 448)`` (1 for an all-zero block)
-    and ``q = x * (1 / scale)`` saturated at ±448 and rounded to nearest even; ``q * scale`` approximates x.
+    and ``q = x * (1 / scale)`` saturated at ±448 and rounded to nearest even; ``q * scale`` approximates x. A
+    block with a NaN has scale 1 and keeps its NaN; one with an infinity has scale inf and NaN in its place.
     """
     rows, hidden = x.shape
     if hidden % scale_block:
         raise ValueError(f"hidden ({hidden}) must be a multiple of scale_block ({scale_block})")
     blocks = x.astype(jnp.float32).reshape(rows, hidden // scale_block, scale_block)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    # NaN propagates explicitly: XLA:CPU's vectorized max and clamp may skip it.
+    amax = jnp.where(jnp.isnan(blocks).any(axis=-1), jnp.nan, jnp.max(jnp.abs(blocks), axis=-1))
     scales = jnp.where(amax > 0, amax * jnp.float32(INV_FP8_MAX), jnp.float32(1.0))
     inverse = jnp.float32(1.0) / scales  # one division per block, then products (as the kernels)
-    q = jnp.clip(blocks * inverse[..., None], -FP8_MAX, FP8_MAX)  # saturate: the kernels convert with satfinite
+    scaled = blocks * inverse[..., None]
+    q = jnp.where(jnp.isnan(scaled), scaled, jnp.clip(scaled, -FP8_MAX, FP8_MAX))  # the kernels' satfinite
     return q.astype(jnp.float8_e4m3fn).reshape(rows, hidden), scales
