@@ -230,7 +230,7 @@ class MoEComm:
         no synchronization: call it after the step's outputs are ready, e.g. after the last step). A routing error
         is raised once; a protocol failure until ``reset()``. The reference backend raises in the round trip."""
         if self.backend == "nvshmem" and self._phases is not None:
-            nvshmem_backend.raise_pending(self._phases.plan)  # the backward's buffer set shares its host words
+            nvshmem_backend.raise_pending(self._phases.plan)  # the backward's round trips share these host words
 
     def reset(self) -> None:
         """After a failure, the MoEComm as created (NVSHMEM backend; collective: every process calls it, after the

@@ -141,8 +141,10 @@ class Plan:
     ctx: int
     p2p: bool  # stores reach every peer (NVLink): the fused calls run one kernel each, combine_send pre-reduces
     rank: int  # this process's rank in its EP group
-    layout: dict[str, tuple[int, int]]  # the symmetric allocation, this plan's own or (shared) its owner's
-    owner: Plan | None = None  # the plan whose buffers and protocol state this one shares (share_plan)
+    # The symmetric allocation, this plan's own or (shared) its owner's; and the plan whose buffers and protocol
+    # state this one shares (share_plan). Not compared: a plan is named by its context.
+    layout: dict[str, tuple[int, int]] = dataclasses.field(compare=False)
+    owner: Plan | None = dataclasses.field(default=None, compare=False)
 
 
 def ep_group(mesh, ep_axes: tuple[str, ...], device) -> tuple[int, list]:
