@@ -359,9 +359,10 @@ class MoEComm:
 
         quantize (``jnp.float8_e4m3fn``, for an fp8 MoEComm): x is bfloat16 and the dispatch quantizes it, with block
         scales of ``scale_block``: the same expert_x / expert_scales as ``dispatch(*quantize_rows(x, scale_block),
-        ...)`` (jax_moe_comm.quantize), bit for bit. The NVSHMEM kernels quantize each row as they send it, so no
-        XLA op of its own runs. Gradients pass the quantization straight through to x (``grad_dtype`` as for fp8; the
-        cotangent of the fp8 expert_x is fp8, as JAX gives a cotangent its primal's dtype)."""
+        ...)`` (jax_moe_comm.quantize), bit for bit; NaN and infinities stay non-finite (see quantize_rows). The
+        NVSHMEM kernels quantize each row as they send it, so no XLA op of its own runs. Gradients pass the
+        quantization straight through to x (``grad_dtype`` as for fp8; the cotangent of the fp8 expert_x is fp8, as
+        JAX gives a cotangent its primal's dtype)."""
         num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens, quantize)
         if topk_weights is not None:
             self._check_weights(topk_weights)
