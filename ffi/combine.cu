@@ -38,6 +38,74 @@ __global__ void __launch_bounds__(kThreads, 2)
   receive_combined<Out, Out>(ctx, recv);
 }
 
+// The windowed combine (Sizes::window_slots below slots_per_source: a bounded heap): rounds of window_tokens tokens
+// of every DP group through a window of that many tokens' rows on every rank. Each round: wait until every rank has
+// summed the previous round out of its window (combine_window_free); send the round's rows (per slot, each followed
+// by its flag; or pre-reduced, then partials_ready tagged with the round, waited for from every rank); sum the
+// round's tokens; a grid barrier; SET our combine_window_free everywhere. Rows per slot (Reduced false: expert_y of
+// type In) or pre-reduced partial rows (in Out), summed into Out in the same order as the other combines. Waits that
+// give up leave the block's later work undone (y is NaN then); the grid barriers are still met by every block.
+template <typename In, typename Out, bool Reduced>
+__device__ inline void combine_in_rounds(const Context& ctx, const CombineSendArgs& send, const CombineRecvArgs& recv) {
+  const Sizes& s = ctx.s;
+  if (!begin_phase(ctx, kCombineSend, send.status)) return skip_receive<Out>(ctx, recv);
+  const uint32_t epoch = current_epoch(ctx);
+  if constexpr (Reduced) {
+    exchange_weights(ctx, send);
+  } else if (blockIdx.x == gridDim.x - 1) {
+    signal_done_reading(ctx);  // rows per slot read no dispatch buffer
+  }
+  mark(ctx, kCombineRecv, kStart);
+  const int num_tokens = min(max(*recv.num_tokens, 0), s.max_tokens), per_round = window_tokens(s);
+  const bool vector = vector_rows<Out>(s);
+  bool lost = false;
+  for (int round = 0; round < window_rounds(s); ++round) {
+    if (round > 0 && !lost)
+      lost = !wait_for_every_rank(ctx, ctx.combine_window_free, tagged(epoch, round), kCombineSend);
+    const int first = round * per_round, tokens = min(per_round, s.max_tokens - first);
+    if constexpr (Reduced) {
+      if (!lost) store_partial_rows<In, Out>(ctx, send, round * s.window_slots, s.window_slots);
+      __threadfence_system();  // this thread's partial rows reach every rank before the round's signal
+      cooperative_groups::this_grid().sync();
+      if (blockIdx.x == 0) signal_every_rank(ctx, ctx.partials_ready, tagged(epoch, round + 1));
+      if (!lost) lost = !wait_for_every_rank(ctx, ctx.partials_ready, tagged(epoch, round + 1), kCombineRecv);
+      if (!lost) sum_partial_rows<Out, Out>(ctx, recv, num_tokens, vector, first, tokens);
+    } else {
+      if (!lost) store_window_slot_rows(ctx, send, round);
+      if (!lost) sum_slot_rows<In, Out>(ctx, recv, num_tokens, vector, first, tokens);
+    }
+    __threadfence();  // this block's reads of the window are done before it counts as released
+    cooperative_groups::this_grid().sync();
+    if (blockIdx.x == 0) signal_every_rank(ctx, ctx.combine_window_free, tagged(epoch, round + 1));
+  }
+  int32_t code;
+  if (finish_phase(ctx, kCombineSend, send.status, false, &code)) {
+    if (Reduced && completed(code)) signal_done_reading(ctx);  // the ids rows were read in every round
+    mark(ctx, kCombineSend, kEnd, true);
+  }
+  end_combine<Out>(ctx, recv);
+}
+
+// The two windowed kernels, with the registers of their unwindowed twins (combine_kernel, combine_reduced_kernel).
+template <typename In, typename Out>
+__global__ void combine_windowed_kernel(Context ctx, CombineSendArgs send, CombineRecvArgs recv) {
+  combine_in_rounds<In, Out, false>(ctx, send, recv);
+}
+template <typename In, typename Out>
+__global__ void __launch_bounds__(kThreads, 2)
+    combine_windowed_reduced_kernel(Context ctx, CombineSendArgs send, CombineRecvArgs recv) {
+  combine_in_rounds<In, Out, true>(ctx, send, recv);
+}
+
+void* windowed_kernel_for(int in_dtype, int out_dtype, bool reduced) {
+  return with_row_type(in_dtype, [&](auto in) {
+    return with_row_type(out_dtype, [&](auto out) {
+      return reduced ? reinterpret_cast<void*>(combine_windowed_reduced_kernel<decltype(in), decltype(out)>)
+                     : reinterpret_cast<void*>(combine_windowed_kernel<decltype(in), decltype(out)>);
+    });
+  });
+}
+
 void* fused_kernel_for(int in_dtype, int out_dtype, bool reduced) {
   return with_row_type(in_dtype, [&](auto in) {
     return with_row_type(out_dtype, [&](auto out) {
@@ -54,7 +122,8 @@ cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, cons
   if (!ctx.p2p) return cudaErrorNotSupported;  // staged puts: two kernels there
   const bool reduced = send.topk_weights != nullptr;
   if (reduced != recv.reduced || (reduced && recv.in_dtype != recv.out_dtype)) return cudaErrorInvalidValue;
-  void* kernel = fused_kernel_for(send.in_dtype, recv.out_dtype, reduced);
+  void* kernel = windowed(ctx.s) ? windowed_kernel_for(send.in_dtype, recv.out_dtype, reduced)
+                                 : fused_kernel_for(send.in_dtype, recv.out_dtype, reduced);
   int per_sm = 0;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   if (err != cudaSuccess) return err;

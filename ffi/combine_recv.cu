@@ -24,6 +24,7 @@ void* kernel_for(int in_dtype, int out_dtype) {
 }  // namespace
 
 cudaError_t launch_combine_recv(const Context& ctx, const CombineRecvArgs& a, cudaStream_t stream) {
+  if (windowed(ctx.s)) return cudaErrorNotSupported;  // rounds wait on the other half: the fused calls only
   Context c = ctx;
   CombineRecvArgs args = a;
   void* params[] = {&c, &args};

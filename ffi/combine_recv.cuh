@@ -32,12 +32,15 @@ __device__ inline int partial_rows(const Sizes& s, const int32_t* ids) {
 // flight per lane. A lane's steps stay within one token for many steps (28 at R1), so the token's ids row is read
 // once and its count of partial rows kept (a grid-strided item per thread would meet a new token's ids row, a
 // first-touch load, at every step, before the partial rows' loads).
+// Tokens [first_token, first_token + tokens) (all, or a round of the windowed combine, whose partial rows sit at
+// their places in the round's window: token t at t - first_token).
 constexpr int kPartialSteps = 4;
 template <typename In, typename Out>
-__device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens, bool vector) {
+__device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens, bool vector,
+                                        int first_token, int tokens) {
   const Sizes& s = ctx.s;
   const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
-  const long long items = static_cast<long long>(s.max_tokens) * chunks_per_row;
+  const long long items = static_cast<long long>(tokens) * chunks_per_row;
   const int lane = threadIdx.x % 32;
   const long long gwarp = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / 32;
   const long long nwarps = static_cast<long long>(gridDim.x) * blockDim.x / 32;
@@ -45,8 +48,8 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
   const long long end = min(items, (gwarp + 1) * per_warp);
   int rows_of = -1, n = 0;  // the token whose partial rows `n` counts
   const auto partial = [&](int j, int t, int c0) {  // token t's partial row from its j-th rank, from column c0
-    return reinterpret_cast<const In*>(ctx.combine_partials +
-                                       (static_cast<size_t>(t) * s.experts_per_token + j) * s.combine_stride) + c0;
+    const size_t at = static_cast<size_t>(t - first_token) * s.experts_per_token + j;
+    return reinterpret_cast<const In*>(ctx.combine_partials + at * s.combine_stride) + c0;
   };
   for (long long base = gwarp * per_warp + lane; base < end; base += 32 * kPartialSteps) {
     Chunk<In> v[kPartialSteps][kSlotBatch];
@@ -54,7 +57,7 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
 #pragma unroll
     for (int u = 0; u < kPartialSteps; ++u) {  // the counts, then the loads of every step
       const long long item = base + 32 * u;
-      t[u] = static_cast<int>(item / chunks_per_row);
+      t[u] = first_token + static_cast<int>(item / chunks_per_row);
       c0[u] = static_cast<int>(item % chunks_per_row) * kChunk;
       parts[u] = 0;
       if (item >= end || t[u] >= num_tokens) continue;
@@ -93,10 +96,11 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
 }
 
 // Rows per slot: waits for each of token t's live slots' flags (this epoch's: landed, or dropped by the expert rank
-// for capacity), then acc += w[k] * row(t, k) over the landed ones, slots in order 0..K-1 like the reference.
+// for capacity), then acc += w[k] * row(t, k) over the landed ones, slots in order 0..K-1 like the reference. The
+// rows sit at token t - first_token of combine_slots (a round's window; first_token 0: all tokens).
 template <typename In>
-__device__ inline void add_slots(const Context& ctx, const int32_t* ids, const float* weights, int t, int c0,
-                                 float* acc, bool vector, int cols) {
+__device__ inline void add_slots(const Context& ctx, const int32_t* ids, const float* weights, int t, int first_token,
+                                 int c0, float* acc, bool vector, int cols) {
   const Sizes& s = ctx.s;
   const int K = s.experts_per_token;
   const uint64_t arrived = tagged(current_epoch(ctx), kSlotLanded);
@@ -115,7 +119,7 @@ __device__ inline void add_slots(const Context& ctx, const int32_t* ids, const f
     if (value_of(flag) == kSlotLanded) live_mask |= 1u << k;
   }
   mark(ctx, kCombineRecv, kStep1);  // block 0's (last) token's rows arrived
-  const char* slots = ctx.combine_slots + static_cast<size_t>(t) * K * s.combine_stride;
+  const char* slots = ctx.combine_slots + static_cast<size_t>(t - first_token) * K * s.combine_stride;
   const auto slot_row = [&](int k) {
     return reinterpret_cast<const In*>(slots + static_cast<size_t>(k) * s.combine_stride) + c0;
   };
@@ -170,43 +174,44 @@ __device__ inline void fill_nan(const Context& ctx, void* out, bool whole_grid) 
       static_cast<uint8_t*>(out)[b] = 0xff;
 }
 
-// The phase after its protocol-order check (combine_recv.cu), or right after the send in the fused combine
-// (combine.cu).
+// Rows per slot into y for tokens [first_token, first_token + tokens) (all of them, or a round of the windowed
+// combine), a thread per (token, kChunk columns), waiting for that token's rows. Rows past num_tokens are zero.
 template <typename In, typename Out>
-__device__ inline void receive_combined(const Context& ctx, const CombineRecvArgs& a) {
+__device__ inline void sum_slot_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens, bool vector,
+                                     int first_token, int tokens) {
+  const Sizes& s = ctx.s;
+  const int K = s.experts_per_token;
+  const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
+  const size_t items = static_cast<size_t>(tokens) * chunks_per_row;
+  for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
+       item += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int t = first_token + static_cast<int>(item / chunks_per_row);
+    const int c0 = static_cast<int>(item % chunks_per_row) * kChunk;
+    const int cols = min(kChunk, s.hidden - c0);
+    float acc[kChunk] = {};
+    if (t < num_tokens)
+      add_slots<In>(ctx, a.topk_ids + static_cast<size_t>(t) * K, a.topk_weights + static_cast<size_t>(t) * K, t,
+                    first_token, c0, acc, vector, cols);
+    store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector, cols);
+    mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
+  }
+}
+
+// Whole-chunk vector loads/stores need every row start 16-byte aligned (slot rows are; output rows need this).
+template <typename Out>
+__device__ inline bool vector_rows(const Sizes& s) {
+  return s.hidden % kChunk == 0 && (s.hidden * sizeof(Out)) % 16 == 0;
+}
+
+// The end of every combine_recv: the global barrier (block 0, a thread per peer: every peer has read its dispatch
+// buffers, so our next dispatch_send may write them, and has published its failures of this round trip, which
+// block 0 merges), then the round trip's status; a round trip that failed anywhere gives NaN here, on every rank
+// alike.
+template <typename Out>
+__device__ inline void end_combine(const Context& ctx, const CombineRecvArgs& a) {
   const Sizes& s = ctx.s;
   const uint64_t signalled = tagged(current_epoch(ctx), 1);
-  const int K = s.experts_per_token;
-  const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
-  // Whole-chunk vector loads/stores need every row start 16-byte aligned (slot rows are; output rows need this).
-  const bool vector_ok = s.hidden % kChunk == 0 && (s.hidden * sizeof(Out)) % 16 == 0;
-  if (a.reduced) {  // one partial row per expert rank, all signalled at once by each rank's combine_send
-    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
-      wait_for(ctx, ctx.partials_ready + pe, signalled, kCombineRecv, pe);
-    __syncthreads();
-    mark(ctx, kCombineRecv, kWaited);
-    sum_partial_rows<In, Out>(ctx, a, num_tokens, vector_ok);
-  } else {  // a thread per (token, kChunk columns), waiting for that token's rows
-    const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
-    const size_t items = static_cast<size_t>(s.max_tokens) * chunks_per_row;
-    for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
-         item += static_cast<size_t>(gridDim.x) * blockDim.x) {
-      const int t = static_cast<int>(item / chunks_per_row);
-      const int c0 = static_cast<int>(item % chunks_per_row) * kChunk;
-      const int cols = min(kChunk, s.hidden - c0);
-      float acc[kChunk] = {};
-      if (t < num_tokens)
-        add_slots<In>(ctx, a.topk_ids + static_cast<size_t>(t) * K, a.topk_weights + static_cast<size_t>(t) * K, t, c0,
-                      acc, vector_ok, cols);
-      store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector_ok, cols);
-      mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
-    }
-  }
-
   mark(ctx, kCombineRecv, kWorked);
-
-  // The global barrier (block 0, a thread per peer): every peer has read its dispatch buffers, so our next
-  // dispatch_send may write them, and has published its failures of this round trip, which block 0 merges.
   if (blockIdx.x == 0) {
     bool all_here = true, published = threadIdx.x == 0 && __ldg(&ctx.local->published) == current_epoch(ctx);
     for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x) {
@@ -218,13 +223,29 @@ __device__ inline void receive_combined(const Context& ctx, const CombineRecvArg
     const bool all = __syncthreads_and(all_here), any = __syncthreads_or(published);
     if (all && any && threadIdx.x == 0) merge_round_failures(*ctx.on_device);
   }
-
-  // A round trip that failed anywhere gives NaN here, on every rank alike.
   int32_t code;
   if (finish_phase(ctx, kCombineRecv, a.status, true, &code)) {
     if (code != 0) fill_nan<Out>(ctx, a.out, false);
     mark(ctx, kCombineRecv, kEnd, true);
   }
+}
+
+// The phase after its protocol-order check (combine_recv.cu), or right after the send in the fused combine
+// (combine.cu).
+template <typename In, typename Out>
+__device__ inline void receive_combined(const Context& ctx, const CombineRecvArgs& a) {
+  const Sizes& s = ctx.s;
+  const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
+  if (a.reduced) {  // one partial row per expert rank, all signalled at once by each rank's combine_send
+    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
+      wait_for(ctx, ctx.partials_ready + pe, tagged(current_epoch(ctx), 1), kCombineRecv, pe);
+    __syncthreads();
+    mark(ctx, kCombineRecv, kWaited);
+    sum_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
+  } else {
+    sum_slot_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
+  }
+  end_combine<Out>(ctx, a);
 }
 
 

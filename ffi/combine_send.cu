@@ -25,6 +25,7 @@ void* reduced_kernel_for(int in_dtype, int partial_dtype) {
 }  // namespace
 
 cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cudaStream_t stream) {
+  if (windowed(ctx.s)) return cudaErrorNotSupported;  // rounds wait on the other half: the fused calls only
   if (a.topk_weights != nullptr) {  // pre-reduced: cooperative, at most one block per SM, a warp per segment
     Context c = ctx;
     CombineSendArgs args = a;

@@ -39,6 +39,21 @@ __device__ inline bool origin_slot(const Sizes& s, int origin, int* group, int* 
   return true;
 }
 
+// NVLink: an expert row into row `at` of combine_slots on every replica of DP group `group`, then slot `slot`'s flag
+// there (`landed`). `at` is the slot, or its place in a round's window.
+__device__ inline void store_slot_row(const Context& ctx, const char* row, int row_bytes, int at, int slot, int group,
+                                      int lane, uint64_t landed) {
+  const Sizes& s = ctx.s;
+  char* dst = ctx.combine_slots + static_cast<size_t>(at) * s.combine_stride;
+  for (int j = 0; j < s.dp_size; ++j) warp_copy(peer_ptr(ctx, dst, group * s.dp_size + j), row, row_bytes, lane);
+  mark(ctx, kCombineSend, kStep1);  // block 0's (last) row copied
+  __threadfence_system();
+  __syncwarp();
+  if (lane == 0)
+    for (int j = 0; j < s.dp_size; ++j) signal_peer(ctx, ctx.combine_flags + slot, landed, group * s.dp_size + j);
+  mark(ctx, kCombineSend, kStep2);  // and signalled
+}
+
 // Rows per slot, a warp per row, each followed by its slot's flag (tagged with the epoch). False when the phase did
 // not run (refused or out of protocol order). `advance`: move the protocol on at the end (finish_phase; false in the
 // fused combine).
@@ -62,14 +77,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
     const char* row = static_cast<const char*>(a.expert_y) + static_cast<size_t>(p) * row_bytes;
     char* dst = ctx.combine_slots + static_cast<size_t>(slot) * s.combine_stride;
     if (ctx.p2p) {  // NVLink: store the row straight into each replica's slot, then signal
-      for (int j = 0; j < s.dp_size; ++j)
-        warp_copy(peer_ptr(ctx, dst, group * s.dp_size + j), row, row_bytes, lane);
-      mark(ctx, kCombineSend, kStep1);  // block 0's (last) row copied
-      __threadfence_system();
-      __syncwarp();
-      if (lane == 0)
-        for (int j = 0; j < s.dp_size; ++j) signal_peer(ctx, ctx.combine_flags + slot, landed, group * s.dp_size + j);
-      mark(ctx, kCombineSend, kStep2);  // and signalled
+      store_slot_row(ctx, row, row_bytes, slot, slot, group, lane, landed);
     } else {  // stage into symmetric memory: a put's source must be symmetric on other transports
       char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
       warp_copy(staged, row, row_bytes, lane);
@@ -85,21 +93,33 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
   return true;
 }
 
-// Pre-reduced combine_send (a cooperative launch: every block resident, so blocks may wait for peers' blocks).
-// False when the phase did not run (out of protocol order); `advance` as in combine_send_rows.
-//   1. Publish this replica's tokens' weights to every rank (unless the dispatch did: a.weights_sent); invert
-//      row_origin into row_of (local).
-//   2. Grid barrier; SET our weights_ready word on every rank; wait for every source's (unless a.weights_sent: the
-//      weights came before each source's dispatch ready signal, which this rank's dispatch waited for).
-//   3. A warp per arrived token (source rank src, its slot i): sum w * expert_y over the token's live slots whose
-//      expert is here, in slot order, in fp32; store the sum (Partial) into every replica of the token's group, at
-//      combine_partials[token][j], j this rank's place among the ranks of the token's live slots (partial_place).
-//   4. The last block SETs partials_ready and the sync flag ("done reading your dispatch buffers": the ids rows
-//      are read in 3) on every rank. Every word is tagged with the round trip's epoch.
-template <typename In, typename Partial>
-__device__ inline bool combine_send_reduced(const Context& ctx, const CombineSendArgs& a, bool advance) {
+// A round of the windowed combine (combine.cu), rows per slot: the rows whose tokens are in the round (tokens
+// [round * W, (round + 1) * W) of each DP group, W = window_tokens), each into its slot's place in the round's window
+// of every replica, then the slot's flag. NVLink only.
+__device__ inline void store_window_slot_rows(const Context& ctx, const CombineSendArgs& a, int round) {
   const Sizes& s = ctx.s;
-  if (!begin_phase(ctx, kCombineSend, a.status)) return false;
+  const uint64_t landed = tagged(current_epoch(ctx), kSlotLanded);
+  const int first = round * window_tokens(s) * s.experts_per_token, slots = window_tokens(s) * s.experts_per_token;
+  const int lane = threadIdx.x % 32, row_bytes = s.hidden * a.elem_bytes;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  for (int p = gwarp; p < s.capacity; p += nwarps) {
+    int group, slot;
+    if (!origin_slot(s, a.row_origin[p], &group, &slot) || slot < first || slot >= first + slots) continue;
+    const char* row = static_cast<const char*>(a.expert_y) + static_cast<size_t>(p) * row_bytes;
+    store_slot_row(ctx, row, row_bytes, slot - first, slot, group, lane, landed);
+  }
+}
+
+// The number of slots source `src` filled in this round trip's dispatch (its ready word, which dispatch_send SETs on
+// every rank, this one included).
+__device__ inline int arrived_tokens(const Context& ctx, int src) {
+  return min(max(token_count(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src)), 0),
+             ctx.s.slots_per_source);
+}
+
+// Steps 1 and 2 of the pre-reduced combine_send (below): the weights everywhere, row_of.
+__device__ inline void exchange_weights(const Context& ctx, const CombineSendArgs& a) {
+  const Sizes& s = ctx.s;
   const uint32_t epoch = current_epoch(ctx);
   const int K = s.experts_per_token, T = s.max_tokens, replica = s.rank % s.dp_size;
   const int lane = threadIdx.x % 32;
@@ -107,11 +127,7 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   const int gthread = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
 
   // 1. Our own token count is our own ready word (dispatch_send SETs it on every rank, this one included).
-  const auto tokens_of = [&](int src) {
-    return min(max(token_count(*reinterpret_cast<volatile uint64_t*>(ctx.dispatch_ready + src)), 0),
-               s.slots_per_source);
-  };
-  const int publish = a.weights_sent ? 0 : tokens_of(s.rank);  // our tokens whose weights go out here
+  const int publish = a.weights_sent ? 0 : arrived_tokens(ctx, s.rank);  // our tokens whose weights go out here
   for (int i = gwarp; i < publish; i += nwarps) {
     const float w = lane < K ? a.topk_weights[static_cast<size_t>(replica + i * s.dp_size) * K + lane] : 0.f;
     const size_t at = (static_cast<size_t>(s.rank) * s.slots_per_source + i) * K + lane;
@@ -138,13 +154,22 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   }
   __syncthreads();
   mark(ctx, kCombineSend, kWaited);
+}
 
-  // 3. One partial row per arrived token with a live slot here. A warp takes one segment of kSegChunks chunks per
-  //    lane of the row (lanes interleaved: coalesced), so a token's columns spread over many warps, each lane with
-  //    the chunks of kExpertRowsInFlight rows in flight together: a warp per token walked the 7168 columns of R1 one
-  //    load at a time. (Whole tokens per warp, reading each ids row once, lost at T=4096: a token has 0 to 8 rows
-  //    here, and the warp with the most rows ended the phase tens of microseconds after the rest.)
-  const int L = s.local_experts, H = s.hidden;
+// Step 3 of the pre-reduced combine_send (below), for the sources' slots [first_slot, first_slot + slots): all of
+// them, or a round of the windowed combine (combine.cu), whose tokens' partial rows go to their places in the
+// round's window (token t at t - first_slot * dp_size).
+template <typename In, typename Partial>
+__device__ inline void store_partial_rows(const Context& ctx, const CombineSendArgs& a, int first_slot, int slots) {
+  // One partial row per arrived token with a live slot here. A warp takes one segment of kSegChunks chunks per lane
+  // of the row (lanes interleaved: coalesced), so a token's columns spread over many warps, each lane with the
+  // chunks of kExpertRowsInFlight rows in flight together: a warp per token walked the 7168 columns of R1 one load
+  // at a time. (Whole tokens per warp, reading each ids row once, lost at T=4096: a token has 0 to 8 rows here, and
+  // the warp with the most rows ended the phase tens of microseconds after the rest.)
+  const Sizes& s = ctx.s;
+  const int K = s.experts_per_token, T = s.max_tokens, L = s.local_experts, H = s.hidden;
+  const int lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
   const bool vector_ok = H % kChunk == 0 && (H * sizeof(In)) % 16 == 0;
   const bool vector_out = vector_ok && (H * sizeof(Partial)) % 16 == 0;
   const int segments = row_segments(s);
@@ -155,12 +180,13 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   // Each source's token count, read once per block (the ready words are volatile: a load per item was one more
   // L2 round trip ahead of every item's lookups).
   __shared__ int arrived_from[kMaxNvlinkPeers];
-  for (int src = threadIdx.x; src < s.world; src += blockDim.x) arrived_from[src] = tokens_of(src);
+  for (int src = threadIdx.x; src < s.world; src += blockDim.x) arrived_from[src] = arrived_tokens(ctx, src);
   __syncthreads();
   int most = 0;  // tokens of the largest source
   for (int src = 0; src < s.world; ++src) most = max(most, arrived_from[src]);
-  for (int item = gwarp; item < most * s.world * segments; item += nwarps) {
-    const int src = item / segments % s.world, i = item / segments / s.world, seg = item % segments;
+  const int round_slots = max(min(most - first_slot, slots), 0);
+  for (int item = gwarp; item < round_slots * s.world * segments; item += nwarps) {
+    const int src = item / segments % s.world, i = first_slot + item / segments / s.world, seg = item % segments;
     if (i >= arrived_from[src]) continue;  // a source with fewer tokens
     const int g = src / s.dp_size;
     const size_t slot = static_cast<size_t>(src) * s.slots_per_source + i;
@@ -185,7 +211,8 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
     }
     const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);  // the slots summed, in slot order
     const int place = partial_place(live, id / L, s.rank);
-    char* dst = ctx.combine_partials + (static_cast<size_t>(t) * K + place) * s.combine_stride;
+    const size_t at = static_cast<size_t>(t - first_slot * s.dp_size) * K + place;  // its place in the window
+    char* dst = ctx.combine_partials + at * s.combine_stride;
     const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
     float acc[kSegChunks][kChunk] = {};
     // Slots in order, like the reference; kExpertRowsInFlight rows' chunks are loaded before any is added. A row and
@@ -231,6 +258,26 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
         if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));
     }
   }
+}
+
+// Pre-reduced combine_send (a cooperative launch: every block resident, so blocks may wait for peers' blocks).
+// False when the phase did not run (out of protocol order); `advance` as in combine_send_rows.
+//   1. Publish this replica's tokens' weights to every rank (unless the dispatch did: a.weights_sent); invert
+//      row_origin into row_of (local).
+//   2. Grid barrier; SET our weights_ready word on every rank; wait for every source's (unless a.weights_sent: the
+//      weights came before each source's dispatch ready signal, which this rank's dispatch waited for).
+//   3. A warp per arrived token (source rank src, its slot i): sum w * expert_y over the token's live slots whose
+//      expert is here, in slot order, in fp32; store the sum (Partial) into every replica of the token's group, at
+//      combine_partials[token][j], j this rank's place among the ranks of the token's live slots (partial_place).
+//   4. The last block SETs partials_ready and the sync flag ("done reading your dispatch buffers": the ids rows
+//      are read in 3) on every rank. Every word is tagged with the round trip's epoch.
+template <typename In, typename Partial>
+__device__ inline bool combine_send_reduced(const Context& ctx, const CombineSendArgs& a, bool advance) {
+  const Sizes& s = ctx.s;
+  if (!begin_phase(ctx, kCombineSend, a.status)) return false;
+  const uint32_t epoch = current_epoch(ctx);
+  exchange_weights(ctx, a);
+  store_partial_rows<In, Partial>(ctx, a, 0, s.slots_per_source);
   mark(ctx, kCombineSend, kWorked);
   __threadfence_system();  // this thread's partial rows reach every peer before the signals below
   mark(ctx, kCombineSend, kClosed);

@@ -72,6 +72,8 @@ struct Sizes {
   int scale_cols;      // hidden / scale_block for fp8, else 0
   int token_stride;    // bytes of one staged token: payload | fp32 scales | int32 token | int32 ids[K], 16-aligned
   int slots_per_source;// ceil(max_tokens / dp_size): the tokens one replica sends (token i of it in slot i)
+  int window_slots;    // slots per source a round of rows goes through (windowed: below slots_per_source, see
+                       // window_rounds; else slots_per_source); a round's tokens: window_slots * dp_size per group
   int combine_stride;  // bytes of one combine row (hidden * the out dtype's bytes: slot and partial rows), 16-aligned
   int64_t timeout_ns;
   int sm_count;  // each launch sizes its grid from its work, capped by this
@@ -122,21 +124,27 @@ struct Context {
   Sizes s;
   // Symmetric (same offsets on every rank).
   char* dispatch_staging;     // [max_tokens] token strides, this rank's packed tokens (staged path; else null)
-  char* dispatch_slots;       // [world][slots_per_source] token strides: a source's token i, once per rank
+  char* dispatch_slots;       // [world][window_slots] token strides: a source's token i (of the round), once per rank
   int32_t* dispatch_ids;      // [world][slots_per_source][K] every token's ids (which slots hold a row, and for
                               // which local experts)
   uint64_t* dispatch_ready;   // [world] tagged(epoch, token count [| kRowsLanded]), SET once its rows and ids landed
   char* combine_staging;      // [capacity] combine rows, this rank's expert outputs (staged path; else null)
-  char* combine_slots;        // [max_tokens][K] combine rows arriving here (the bytes of combine_partials: a combine
-                              // uses one layout or the other)
+  char* combine_slots;        // [window tokens][K] combine rows arriving here (the bytes of combine_partials: a
+                              // combine uses one layout or the other); window tokens: max_tokens, or a round's
   uint64_t* combine_flags;    // [max_tokens][K] tagged(epoch, kSlotLanded | kSlotDropped), SET after the slot's row
   uint64_t* sync_flags;       // [world] tagged(epoch, 1): that peer finished reading its dispatch buffers
   // The pre-reduced combine (weights given to combine_send; NVLink path): one row per (token, expert rank).
   float* combine_weights;     // [world][slots_per_source][K] a source's topk weights of its token i
   uint64_t* weights_ready;    // [world] tagged(epoch, 1) once that source's weights landed here
-  char* combine_partials;     // [max_tokens][K] combine rows: at [t][j] the weighted sum of token t's rows on the
-                              // j-th (ascending) distinct rank of its live slots
-  uint64_t* partials_ready;   // [world] tagged(epoch, 1) once every partial row from that rank landed here
+  char* combine_partials;     // [window tokens][K] combine rows: at [t][j] the weighted sum of token t's rows on
+                              // the j-th (ascending) distinct rank of its live slots (t counted from the round's first)
+  uint64_t* partials_ready;   // [world] tagged(epoch, round + 1) once every partial row (of that round) from that
+                              // rank landed here
+  // Windowed round trips (Sizes::window_slots below slots_per_source; NVLink, fused calls): rows go in rounds.
+  uint64_t* window_ready;     // [world] tagged(epoch, round + 1) once that source's rows of the round landed here
+  uint64_t* dispatch_window_free;  // [world] tagged(epoch, round + 1) once that rank has copied its dispatch window
+                                   // of the round (our rows in it may be overwritten by the next round's)
+  uint64_t* combine_window_free;   // [world] the same for that rank's combine window
 #ifdef JMC_MEASUREMENT
   uint64_t* probe_ready;      // [world] the epoch of the last probe (ffi/probe.cu) whose bytes landed from that rank
 #endif
@@ -155,7 +163,7 @@ struct Context {
   uint64_t* marks;            // [4 phases][kMarks] (device memory), or null: no stamps
 #endif
   int32_t* block_counts;      // [L * num_dp][kMaxBlocksPerSm * sm_count] (device memory, not symmetric; with
-                              // ids_first, else null): rows of each (local expert, group) in each block's shares of
+                              // ids_first or windowed, else null): rows of each (local expert, group) in each block's shares of
                               // the arrivals (histogram_split)
   int32_t* pe_of_rank;        // [world] (device memory) the NVSHMEM PE of each rank of this MoEComm's EP group: the
                               // ranks of a kernel are the group's, the PEs NVSHMEM's (every process of the job)
@@ -171,6 +179,14 @@ struct Context {
   Context* owner;             // share_context: the context whose buffers, words and host state these are; else null
   const Context* on_device;   // this struct's copy in device memory, for the kernels' failure paths (JMC_COLD)
 };
+
+// Rounds of a windowed round trip (1 when not windowed): each moves window_slots slots per source, the tokens
+// [round * window_tokens, (round + 1) * window_tokens) of every DP group.
+inline JMC_HOST_DEVICE bool windowed(const Sizes& s) { return s.window_slots < s.slots_per_source; }
+inline JMC_HOST_DEVICE int window_rounds(const Sizes& s) {
+  return (s.slots_per_source + s.window_slots - 1) / s.window_slots;
+}
+inline JMC_HOST_DEVICE int window_tokens(const Sizes& s) { return s.window_slots * s.dp_size; }
 
 // Offsets into the staged token stride.
 inline JMC_HOST_DEVICE int scales_offset(const Sizes& s) { return s.payload_bytes; }

@@ -399,6 +399,24 @@ __device__ inline uint64_t wait_for(const Context& ctx, const uint64_t* word, ui
   return value;
 }
 
+// Every thread of a block: waits (a thread per rank) until every rank's entry of `words` (a word per rank) is at
+// least `least`; true in every thread when all came, false when some wait gave up.
+__device__ inline bool wait_for_every_rank(const Context& ctx, const uint64_t* words, uint64_t least, Phase phase) {
+  bool came = true;
+  for (int pe = threadIdx.x; pe < ctx.s.world; pe += blockDim.x)
+    came &= wait_for(ctx, words + pe, least, phase, pe) != 0;
+  return __syncthreads_and(came);
+}
+
+// One block, after a grid barrier that followed every block's writes: SETs this rank's entry of `words` on every rank
+// (this one included) to `value`, unless the MoEComm has failed for good (its peers give up on the abort word
+// instead of reading what this rank did not finish).
+__device__ inline void signal_every_rank(const Context& ctx, uint64_t* words, uint64_t value) {
+  __threadfence_system();
+  if (failed_for_good(ctx)) return;
+  for (int pe = threadIdx.x; pe < ctx.s.world; pe += blockDim.x) signal_peer(ctx, words + ctx.s.rank, value, pe);
+}
+
 // Called by every thread at the end of a phase's kernel: the last block to finish copies the errors recorded by
 // all blocks to the call's status output (and, when `code` is given, to *code in each of its threads), clears the
 // scratch for the next call, publishes a routing error to every rank, and, with `advance`, moves the protocol on

@@ -50,7 +50,7 @@ __global__ void dispatch_ids_first_kernel(Context ctx, DispatchSendArgs send, Di
   const Sizes& s = ctx.s;
   int my_tokens;
   if (!begin_send(ctx, send, &my_tokens)) return skip_receive(ctx, recv);
-  store_ids_rows(ctx, send, my_tokens);
+  store_ids_rows<false>(ctx, send, my_tokens);
   __threadfence_system();  // this thread's ids reach every peer before the ready signal
   cooperative_groups::this_grid().sync();
   // Every block is past begin_send: a routing error it found is in the send's scratch. It goes out with the rows'
@@ -94,6 +94,73 @@ __global__ void dispatch_ids_first_kernel(Context ctx, DispatchSendArgs send, Di
   finish_receive(ctx, recv, r);
 }
 
+// The windowed order (Sizes::window_slots below slots_per_source: a bounded heap): the ids first, then the rows in
+// rounds of window_slots slots per source, through a window of that many slots per source on every rank.
+//   1. Every ids row of this replica to every rank; a grid barrier; our ready word (count) SET everywhere.
+//   2. Every source's ids: the layout (histogram_split over every arrival).
+//   3. Each round: wait until every rank has copied the previous round out of its window (dispatch_window_free);
+//      store this round's rows into the windows of their ranks (this one's included); a grid barrier; SET our
+//      window_ready everywhere; wait for every source's; histogram the round's arrivals (their places follow the
+//      earlier rounds' rows of each (local expert, group): group_base moves on) and copy them; a grid barrier; SET
+//      our dispatch_window_free everywhere.
+// The same layout and rows as the other orders, bit for bit: a row's place depends on the routing alone. Waits
+// that give up (a timeout, a peer's abort) leave the block's copies and every later round's work undone; the grid
+// barriers are still met by every block.
+template <bool Quantize>
+__global__ void dispatch_windowed_kernel(Context ctx, DispatchSendArgs send, DispatchRecvArgs recv) {
+  const Sizes& s = ctx.s;
+  const int G = s.num_dp, LG = s.local_experts * s.num_dp;
+  int my_tokens;
+  if (!begin_send(ctx, send, &my_tokens)) return skip_receive(ctx, recv);
+  store_ids_rows<true>(ctx, send, my_tokens);
+  __threadfence_system();  // this thread's ids reach every rank before the ready signal
+  cooperative_groups::this_grid().sync();
+  const uint32_t epoch = current_epoch(ctx);
+  if (blockIdx.x == 0) signal_every_rank(ctx, ctx.dispatch_ready, tagged(epoch, static_cast<uint32_t>(my_tokens)));
+  mark(ctx, kDispatchSend, kStep1);  // ids out, ready word set
+
+  mark(ctx, kDispatchRecv, kStart);
+  extern __shared__ int smem[];
+  Receive r = carve_receive(s, smem);
+  read_token_counts(ctx, r, -1);  // pass 0: every group; r.first[1] (pass 1) then holds each round's arrivals
+  mark(ctx, kDispatchRecv, kWaited);
+  const Share every = share_of(r.first[0], G, 0, gridDim.x);
+  histogram_split(ctx, r, &every, 1);
+  derive_layout(ctx, recv, r);
+  mark(ctx, kDispatchRecv, kStep2);  // layout derived
+
+  const int per_round = window_tokens(s);
+  bool lost = __syncthreads_or(r.timed_out);
+  for (int round = 0; round < window_rounds(s); ++round) {
+    if (round > 0 && !lost) lost = !wait_for_every_rank(ctx, ctx.dispatch_window_free, tagged(epoch, round),
+                                                        kDispatchSend);
+    if (!lost) store_window_rows<Quantize>(ctx, send, my_tokens, round);
+    __threadfence_system();  // this thread's rows reach every rank before the round's signal
+    cooperative_groups::this_grid().sync();
+    if (blockIdx.x == 0) signal_every_rank(ctx, ctx.window_ready, tagged(epoch, round + 1));
+    if (!lost) lost = !wait_for_every_rank(ctx, ctx.window_ready, tagged(epoch, round + 1), kDispatchRecv);
+    if (threadIdx.x == 0) {  // the round's arrivals: each group's tokens [round * per_round, (round + 1) * per_round)
+      int* first = r.first[1];
+      for (int g = 0; g < G; ++g)
+        first[g + 1] = first[g] + min(max(r.group_tokens[g] - round * per_round, 0), per_round);
+    }
+    for (int i = threadIdx.x; i < LG; i += blockDim.x) r.count[i] = 0;
+    __syncthreads();
+    const Share round_share = share_of(r.first[1], G, 0, gridDim.x, round * per_round);
+    histogram_split(ctx, r, &round_share, 1);
+    if (!lost) copy_share(ctx, recv, r, round_share, FromSlots{ctx, round * s.window_slots});
+    for (int i = threadIdx.x; i < LG; i += blockDim.x) r.group_base[i] += r.count[i];
+    __syncthreads();
+    __threadfence();  // this block's reads of the window are done before it counts as released
+    cooperative_groups::this_grid().sync();
+    if (blockIdx.x == 0) signal_every_rank(ctx, ctx.dispatch_window_free, tagged(epoch, round + 1));
+  }
+  mark(ctx, kDispatchSend, kWorked);
+  if (finish_phase(ctx, kDispatchSend, send.status, false)) mark(ctx, kDispatchSend, kEnd, true);
+  mark(ctx, kDispatchRecv, kWorked);
+  finish_receive(ctx, recv, r);
+}
+
 // Either order's kernel, its grid the larger of the two phases' grids capped at co-residency (it waits for itself).
 template <typename Kernel>
 cudaError_t launch_cooperative(Kernel kernel, int wanted_blocks, const Context& ctx, const DispatchSendArgs& send,
@@ -121,6 +188,9 @@ cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, co
                             cudaStream_t stream) {
   if (!ctx.p2p) return cudaErrorNotSupported;  // the staged send is cooperative on its own: two kernels there
   const int wanted = std::max(dispatch_send_blocks(ctx.s), dispatch_recv_blocks(ctx.s));
+  if (windowed(ctx.s))
+    return launch_cooperative(send.quantize ? dispatch_windowed_kernel<true> : dispatch_windowed_kernel<false>, wanted,
+                              ctx, send, recv, stream);
   // Quantizing sends take the send-first order: the ids-first order's receive reads this rank's own rows from x.
   if (ctx.ids_first && !send.quantize)
     return launch_cooperative(dispatch_ids_first_kernel, wanted, ctx, send, recv, stream);

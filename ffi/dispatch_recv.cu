@@ -15,6 +15,7 @@ __global__ void __launch_bounds__(kThreads, 2) dispatch_recv_kernel(Context ctx,
 }  // namespace
 
 cudaError_t launch_dispatch_recv(const Context& ctx, const DispatchRecvArgs& a, cudaStream_t stream) {
+  if (windowed(ctx.s)) return cudaErrorNotSupported;  // rounds wait on the other half: the fused calls only
   const size_t shared = dispatch_recv_shared_bytes(ctx.s);
   if (shared > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -102,17 +102,19 @@ __device__ inline Receive carve_receive(const Sizes& s, int* smem) {
 }
 
 // The arrivals a block copies in one pass: a pass takes some DP groups' tokens, numbered group by group (first),
-// and shares them among a range of blocks, each a contiguous share [begin, end) in block order.
+// and shares them among a range of blocks, each a contiguous share [begin, end) in block order. A group's first
+// arrival of the pass is its token `token_base` (a round of the windowed dispatch; else 0).
 struct Share {
   const int* first;
   int begin, end;
+  int token_base;
 };
-__device__ inline Share share_of(const int* first, int groups, int first_block, int blocks) {
+__device__ inline Share share_of(const int* first, int groups, int first_block, int blocks, int token_base = 0) {
   const int arrivals = first[groups], b = static_cast<int>(blockIdx.x) - first_block;
-  if (b < 0 || b >= blocks) return Share{first, arrivals, arrivals};
+  if (b < 0 || b >= blocks) return Share{first, arrivals, arrivals, token_base};
   const int per_block = (arrivals + blocks - 1) / blocks;
   const int begin = min(b * per_block, arrivals);
-  return Share{first, begin, min(begin + per_block, arrivals)};
+  return Share{first, begin, min(begin + per_block, arrivals), token_base};
 }
 
 // The DP group of pass arrival i.
@@ -166,7 +168,7 @@ __device__ inline void histogram(const Context& ctx, Receive& r, const Share& sh
     if (l < 0 || l >= L) return;  // an expert of another rank
     atomicAdd(early ? &r.before[l * G + g] : &r.count[l * G + g], 1);
   };
-  const auto ids_at = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, i - sh.first[g])); };
+  const auto ids_at = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, sh.token_base + i - sh.first[g])); };
   if (K <= kUnrolledSlots) {
     constexpr int kRowsInFlight = 4;
     for (int base = from + threadIdx.x; base < to; base += kRowsInFlight * blockDim.x) {
@@ -276,12 +278,15 @@ JMC_COLD void drop_slot(const Context& ctx, int g, int t, int k) {
   for (int j = 0; j < s.dp_size; ++j) signal_peer(ctx, flag, dropped, g * s.dp_size + j);
 }
 
-// Where token t of DP group g's row (payload, scales) is read from: the slot it arrived in.
+// Where token t of DP group g's row (payload, scales) is read from: the slot it arrived in, in its source's window
+// (its slots from `slot_base` on: a round of the windowed dispatch; else all of them).
 struct FromSlots {
   const Context& ctx;
+  int slot_base = 0;
   __device__ const char* payload(int g, int t) const {
     const Arrival src = arrival_of(ctx.s, g, t);
-    return ctx.dispatch_slots + (static_cast<size_t>(src.src) * ctx.s.slots_per_source + src.slot) * ctx.s.token_stride;
+    const size_t slot = static_cast<size_t>(src.src) * ctx.s.window_slots + (src.slot - slot_base);
+    return ctx.dispatch_slots + slot * ctx.s.token_stride;
   }
   __device__ const void* scales(int g, int t) const { return payload(g, t) + scales_offset(ctx.s); }
 };
@@ -298,7 +303,7 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
   const Sizes& s = ctx.s;
   const int L = s.local_experts, G = s.num_dp, K = s.experts_per_token, first_local = s.rank * L;
   const int* first = sh.first;
-  const auto ids_at = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, i - first[g])); };
+  const auto ids_at = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, sh.token_base + i - first[g])); };
   __shared__ unsigned local_slots[kThreads];
   __shared__ int16_t slot_expert[kThreads][kUnrolledSlots];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -321,7 +326,7 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
     for (int h = warp; h < batch_tokens * K; h += warps) {  // a warp per (token, slot) of the batch
       const int j = h / K, k = h % K, i = batch + j;
       if (!(local_slots[j] >> k & 1u)) continue;  // not live, or an expert of another rank
-      const int g = group_of(first, i), t = i - first[g];
+      const int g = group_of(first, i), t = sh.token_base + i - first[g];
       const int l = k < kUnrolledSlots ? slot_expert[j][k] : ids_at(i, g)[k] - first_local;
       const int at = max(first[g] - batch, 0);  // the batch's first arrival of group g
       const int p = r.group_base[l * G + g] + r.before[l * G + g] + count_bits(r.hits + l * kBitWords, at, j);

@@ -49,6 +49,7 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
 }  // namespace
 
 cudaError_t launch_dispatch_send(const Context& ctx, const DispatchSendArgs& a, cudaStream_t stream) {
+  if (windowed(ctx.s)) return cudaErrorNotSupported;  // rounds wait on the other half: the fused calls only
   Context c = ctx;
   DispatchSendArgs args = a;
   void* params[] = {&c, &args};

@@ -224,17 +224,22 @@ __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendA
 }
 
 
-// The ids-first order of the fused dispatch (dispatch.cu; one replica per DP group, so this rank's token i is token
-// i): every token's ids row (and weights, if given) to every rank first, a thread per id.
+// The ids-first and windowed orders of the fused dispatch (dispatch.cu): every ids row of this replica (and its
+// weights, if given) to every rank first, a thread per id. Slot i holds the replica's token replica + i * dp_size
+// (AnyReplica, the windowed order), or token i (one replica per DP group, the ids-first order: its index arithmetic
+// alone, for that kernel's registers).
+template <bool AnyReplica>
 __device__ inline void store_ids_rows(const Context& ctx, const DispatchSendArgs& a, int my_tokens) {
   const Sizes& s = ctx.s;
-  const size_t first = static_cast<size_t>(s.rank) * s.slots_per_source * s.experts_per_token;
-  const int ids = my_tokens * s.experts_per_token;
+  const int K = s.experts_per_token, replica = s.rank % s.dp_size;
+  const size_t first = static_cast<size_t>(s.rank) * s.slots_per_source * K;
+  const int ids = my_tokens * K;
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < ids; j += gridDim.x * blockDim.x) {
-    const int32_t id = a.topk_ids[j];
+    const size_t from = AnyReplica ? (static_cast<size_t>(replica) + j / K * s.dp_size) * K + j % K : j;
+    const int32_t id = a.topk_ids[from];
     for (int d = 0; d < s.world; ++d) peer_ptr(ctx, ctx.dispatch_ids + first, d)[j] = id;
     if (a.topk_weights != nullptr) {
-      const float w = a.topk_weights[j];
+      const float w = a.topk_weights[from];
       for (int d = 0; d < s.world; ++d) peer_ptr(ctx, ctx.combine_weights + first, d)[j] = w;
     }
   }
@@ -263,6 +268,28 @@ __device__ inline void signal_rows_landed(const Context& ctx, const DispatchSend
         if (pe != ctx.s.rank) signal_peer(ctx, ctx.dispatch_ready + ctx.s.rank, ready, pe);
     }
     mark(ctx, kDispatchSend, kEnd, true);
+  }
+}
+
+// A round of the windowed dispatch (dispatch.cu): this replica's slots [round * W, (round + 1) * W) (W =
+// window_slots), slot i's token into slot (rank, i - round * W) of every rank that hosts one of its live experts,
+// this rank included; a warp per token, or with Quantize per part of one (as dispatch_send_p2p).
+template <bool Quantize>
+__device__ inline void store_window_rows(const Context& ctx, const DispatchSendArgs& a, int my_tokens, int round) {
+  const Sizes& s = ctx.s;
+  const int K = s.experts_per_token, replica = s.rank % s.dp_size, lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int first = round * s.window_slots, tokens = min(my_tokens - first, s.window_slots);  // <= 0: none
+  const int parts = Quantize ? quantize_parts(s, max(tokens, 1), nwarps) : 1;
+  for (int item = gwarp; item < tokens * parts; item += nwarps) {
+    const int i = first + item / parts, part = item % parts, t = replica + i * s.dp_size;
+    const int dest_of_lane = lane_dest(s, a.topk_ids + static_cast<size_t>(t) * K, lane);
+    const size_t slot = static_cast<size_t>(s.rank) * s.window_slots + (i - first);
+    if constexpr (Quantize) {
+      store_quantized_token_row(ctx, slot, a, t, lane, dest_of_lane, part, parts);
+    } else {
+      store_token_row(ctx, slot, a, t, lane, dest_of_lane);
+    }
   }
 }
 

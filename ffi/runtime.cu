@@ -84,18 +84,22 @@ T* optional_region(char* base, const Layout& layout, const char* name) {
   return it == layout.end() ? nullptr : reinterpret_cast<T*>(base + it->second.first);
 }
 
-// The ids-first dispatch and its per-block histograms (local device memory, read only by that kernel; never read
-// before written in the same call: no zeroing). Without them the fused dispatch sends first.
-void choose_ids_first(Context* ctx, int ids_first_min_tokens) {
+// The ids-first dispatch and the windowed one, and their per-block histograms (local device memory, read only by
+// those kernels; never read before written in the same call: no zeroing). Without them the fused dispatch sends
+// first; a windowed context cannot run without them (an error then).
+std::string choose_dispatch_order(Context* ctx, int ids_first_min_tokens) {
   const Sizes& s = ctx->s;
   ctx->block_counts = nullptr;
-  ctx->ids_first = ctx->p2p && s.dp_size == 1 && s.max_tokens >= ids_first_min_tokens;
+  ctx->ids_first = ctx->p2p && s.dp_size == 1 && s.max_tokens >= ids_first_min_tokens && !windowed(s);
+  if (windowed(s) && !ctx->p2p) return "a windowed MoEComm (max_symmetric_bytes) needs every peer on NVLink";
   const size_t count_bytes = static_cast<size_t>(s.local_experts) * s.num_dp * kMaxBlocksPerSm * s.sm_count *
                              sizeof(int32_t);
-  if (ctx->ids_first && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) {
+  if ((ctx->ids_first || windowed(s)) && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) {
     ctx->block_counts = nullptr;
     ctx->ids_first = false;
+    if (windowed(s)) return "allocating a windowed context's histograms failed";
   }
+  return {};
 }
 
 // The context's copy in device memory (Context::on_device), for the kernels' failure paths.
@@ -196,6 +200,9 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
   ctx->weights_ready = region<uint64_t>(base, layout, "weights_ready", &missing);
   ctx->combine_partials = ctx->combine_slots;
   ctx->partials_ready = region<uint64_t>(base, layout, "partials_ready", &missing);
+  ctx->window_ready = region<uint64_t>(base, layout, "window_ready", &missing);
+  ctx->dispatch_window_free = region<uint64_t>(base, layout, "dispatch_window_free", &missing);
+  ctx->combine_window_free = region<uint64_t>(base, layout, "combine_window_free", &missing);
 #ifdef JMC_MEASUREMENT
   ctx->probe_ready = region<uint64_t>(base, layout, "probe_ready", &missing);
 #endif
@@ -229,7 +236,11 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
     destroy_context(ctx, /*collective=*/false);
     return nullptr;
   }
-  choose_ids_first(ctx, ids_first_min_tokens);
+  *error = choose_dispatch_order(ctx, ids_first_min_tokens);
+  if (!error->empty()) {
+    destroy_context(ctx, false);
+    return nullptr;
+  }
 #ifdef JMC_MEASUREMENT
   if (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
       cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess) {
@@ -256,12 +267,12 @@ Context* share_context(Context* owner, const Sizes& sizes, const Layout& layout,
     return nullptr;
   }
   // Every buffer whose size depends on the payload or the capacity holds this config's too.
-  const size_t slots = static_cast<size_t>(sizes.world) * sizes.slots_per_source;
+  const size_t window = static_cast<size_t>(sizes.world) * sizes.window_slots;
+  const size_t combine_tokens = std::min(sizes.max_tokens, window_tokens(sizes));
   const bool fits =
       layout_bytes(layout) == owner->symmetric_bytes &&
-      region_bytes(layout, "dispatch_slots") >= slots * sizes.token_stride &&
-      region_bytes(layout, "combine_rows") >=
-          static_cast<size_t>(sizes.max_tokens) * sizes.experts_per_token * sizes.combine_stride &&
+      region_bytes(layout, "dispatch_slots") >= window * sizes.token_stride &&
+      region_bytes(layout, "combine_rows") >= combine_tokens * sizes.experts_per_token * sizes.combine_stride &&
       (owner->dispatch_staging == nullptr ||
        region_bytes(layout, "dispatch_staging") >= static_cast<size_t>(sizes.max_tokens) * sizes.token_stride) &&
       (owner->combine_staging == nullptr ||
@@ -278,8 +289,8 @@ Context* share_context(Context* owner, const Sizes& sizes, const Layout& layout,
 #ifdef JMC_MEASUREMENT
   ctx->marks = nullptr;  // the owner's stamps only
 #endif
-  choose_ids_first(ctx, ids_first_min_tokens);
-  *error = copy_to_device(ctx);
+  *error = choose_dispatch_order(ctx, ids_first_min_tokens);
+  if (error->empty()) *error = copy_to_device(ctx);
   if (!error->empty()) {
     destroy_context(ctx, false);
     return nullptr;

@@ -138,6 +138,12 @@ class MoEComm:
         the extra grid barrier costs more than it hides. The same results bit for bit.
       staged: send through symmetric staging buffers and put-with-signal even where NVLink stores reach every peer
         (the path to peers off NVLink; True tests it on one node). The same results bit for bit.
+      max_symmetric_bytes: a bound on ``symmetric_bytes`` (per GPU). None (default): no bound, every row of a round
+        trip has its own slot. Below what the config needs, the rows travel in rounds through buffers of one round
+        (``window_tokens`` tokens of every DP group a round, the most that fit): the same layout and results bit for
+        bit, at the cost of a grid barrier and a signal exchange per round; the split halves then run as the fused
+        calls (``dispatch_recv`` and ``combine_recv`` do the work). NVLink peers only; a ValueError when not even a
+        round of one token per rank fits, or with ``staged=True``.
 
     On the NVSHMEM backend's NVLink path the fused ``dispatch`` and ``combine`` run one kernel each (send, then
     receive), the split halves two; the results are the same.
@@ -162,7 +168,7 @@ class MoEComm:
                  backend: str = "auto", *, batch_axes: str | tuple[str, ...] | None = None,
                  custom_vjp: bool | None = None, grad_dtype: Any = None, check_errors: bool | str = True,
                  timeout_s: float = 30.0, prereduce_min_tokens: int = 64, ids_first_min_tokens: int = 1024,
-                 staged: bool = False) -> None:
+                 staged: bool = False, max_symmetric_bytes: int | None = None) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if not isinstance(mesh, Mesh):
@@ -173,7 +179,8 @@ class MoEComm:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         options = Options(check_errors=check_errors, timeout_s=timeout_s, prereduce_min_tokens=prereduce_min_tokens,
-                          ids_first_min_tokens=ids_first_min_tokens, staged=staged)
+                          ids_first_min_tokens=ids_first_min_tokens, staged=staged,
+                          max_symmetric_bytes=max_symmetric_bytes)
         self.cfg = cfg
         self.mesh = mesh
         self.axis_name = axis_name if isinstance(axis_name, str) else ep_axes  # as given (a list becomes a tuple)
@@ -196,6 +203,9 @@ class MoEComm:
         grad_geo = None if grad_dtype is None else Geometry(cfg.gradient_config(self.world, grad_dtype), self.world,
                                                             ep_axes, options)
         self._shared_with = () if grad_geo is None else (grad_geo.cfg,)
+        # The window of a job on NVLink (the reference backend has no heap, but refuses the same bounds).
+        self._window_slots = nvshmem_backend.window_slots_for(cfg, self.world, options.max_symmetric_bytes,
+                                                              options.staged, self._shared_with)
         if self.backend == "nvshmem":
             impl, plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh, self._shared_with)
             grad_plan = None if grad_geo is None else nvshmem_backend.share_plan(plan, grad_geo)
@@ -267,7 +277,17 @@ class MoEComm:
         if self.backend == "nvshmem" and self._phases is not None:
             return nvshmem_backend.plan_bytes(self._phases.plan)
         return nvshmem_backend.symmetric_bytes(self.cfg, self.world, staging=self.options.staged,
-                                               shared_with=self._shared_with)
+                                               shared_with=self._shared_with,
+                                               max_bytes=self.options.max_symmetric_bytes)
+
+    @property
+    def window_tokens(self) -> int | None:
+        """Tokens of each DP group that one round of a windowed round trip moves (``max_symmetric_bytes``), or None:
+        no window, every row in one round."""
+        slots = self._window_slots
+        if self.backend == "nvshmem" and self._phases is not None:
+            slots = self._phases.plan.window_slots  # the job's: as allocated
+        return None if slots is None else slots * self.cfg.dp_size
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())

@@ -192,14 +192,15 @@ def _threshold(name: str, value: Any) -> int:
 @dataclasses.dataclass(frozen=True)
 class Options:
     """How one MoEComm runs its round trips: MoEComm's keyword arguments of the same names (documented there),
-    validated. None of them changes what a round trip computes (staged and the thresholds give the same results bit
-    for bit; the pre-reduction within the output dtype's rounding)."""
+    validated. None of them changes what a round trip computes (staged, the thresholds and the window of
+    max_symmetric_bytes give the same results bit for bit; the pre-reduction within the output dtype's rounding)."""
 
     check_errors: bool | str = True
     timeout_s: float = 30.0
     prereduce_min_tokens: int = 64
     ids_first_min_tokens: int = 1024
     staged: bool = False
+    max_symmetric_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.check_errors not in CHECK_ERRORS or not isinstance(self.check_errors, (bool, str)):
@@ -212,6 +213,11 @@ class Options:
             object.__setattr__(self, name, _threshold(name, getattr(self, name)))
         if not isinstance(self.staged, bool):
             raise ValueError(f"staged must be a bool, got {self.staged!r}")
+        m = self.max_symmetric_bytes
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1):
+            raise ValueError(f"max_symmetric_bytes must be None or a positive int (bytes per GPU), got {m!r}")
+        if m is not None:
+            object.__setattr__(self, "max_symmetric_bytes", int(m))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,18 +58,21 @@ def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
-                 timeout_s: float = 30.0) -> dict[str, int]:
-    """The ``Sizes`` struct of ffi/context.h for one rank."""
+def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132, timeout_s: float = 30.0,
+                 window_slots: int | None = None) -> dict[str, int]:
+    """The ``Sizes`` struct of ffi/context.h for one rank. window_slots: the slots per source of a round (see
+    window_slots_for); None: every slot, no window."""
     geo = Geometry(cfg, world, ())
     payload = cfg.hidden * np.dtype(cfg.dtype).itemsize
+    slots = -(-cfg.max_tokens // cfg.dp_size)
     return dict(
         rank=rank, world=world, dp_size=cfg.dp_size, num_dp=geo.num_dp, max_tokens=cfg.max_tokens,
         experts_per_token=cfg.experts_per_token, hidden=cfg.hidden, num_experts=cfg.num_experts,
         local_experts=geo.L, capacity=geo.capacity, align=cfg.align, payload_bytes=payload,
         scale_cols=cfg.scale_cols,
         token_stride=_round16(payload + 4 * cfg.scale_cols + 4 * (1 + cfg.experts_per_token)),
-        slots_per_source=-(-cfg.max_tokens // cfg.dp_size),
+        slots_per_source=slots,
+        window_slots=slots if window_slots is None else min(window_slots, slots),
         combine_stride=_round16(cfg.hidden * np.dtype(cfg.out_dtype).itemsize),
         timeout_ns=int(timeout_s * 1e9),
         sm_count=sm_count,
@@ -77,26 +80,32 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
     )
 
 
-def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bool) -> list[tuple[str, int]]:
+def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bool,
+                  window_slots: int | None) -> list[tuple[str, int]]:
     """(name, bytes) of every buffer one config needs, in allocation order (ffi/context.h says what each holds)."""
-    s = kernel_sizes(cfg, world, 0)
+    s = kernel_sizes(cfg, world, 0, window_slots=window_slots)
     slots, T, K = world * s["slots_per_source"], s["max_tokens"], s["experts_per_token"]
+    # The rows of a round: every source's window of slots, and the tokens they hold (all of them, unwindowed).
+    window, window_tokens = world * s["window_slots"], min(T, s["window_slots"] * cfg.dp_size)
     words = _round16(world * 8)  # one u64 per rank
     status = 4 * errors.STATUS_WORDS
     return [
         *([("dispatch_staging", T * s["token_stride"])] if staging else []),
-        ("dispatch_slots", slots * s["token_stride"]),
+        ("dispatch_slots", window * s["token_stride"]),
         ("dispatch_ids", slots * K * 4),
         ("dispatch_ready", words),
         *([("combine_staging", s["capacity"] * s["combine_stride"])] if staging else []),
         # A combine sends rows per slot ([T][K]) or pre-reduced rows, one per distinct expert rank of a token (at
-        # most K: [T][K] too), never both: the two layouts share these bytes.
-        ("combine_rows", T * K * s["combine_stride"]),
+        # most K: [T][K] too), never both: the two layouts share these bytes. Windowed: a round's tokens.
+        ("combine_rows", window_tokens * K * s["combine_stride"]),
         ("combine_flags", T * K * 8),
         ("sync_flags", words),
         ("combine_weights", slots * K * 4),
         ("weights_ready", words),
         ("partials_ready", words),
+        ("window_ready", words),
+        ("dispatch_window_free", words),
+        ("combine_window_free", words),
         *([("probe_ready", words)] if measurement else []),  # the bench's floor probe (ffi/probe.cu)
         ("round_failures", 2 * world * status),
         ("fatal_failures", world * status),
@@ -106,17 +115,18 @@ def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bo
 
 
 def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False, staging: bool = False,
-                     shared_with: tuple[MoECommConfig, ...] = ()) -> dict[str, tuple[int, int]]:
+                     shared_with: tuple[MoECommConfig, ...] = (),
+                     window_slots: int | None = None) -> dict[str, tuple[int, int]]:
     """The symmetric allocation of one MoEComm on each rank: buffer name -> (offset, bytes), each 16-byte aligned.
     The only definition: the extension carves its buffers by these names (ffi/context.h says what each holds).
     ``measurement``: with the measurement build's probe word. ``staging``: with the staging buffers of the path to
     peers off NVLink (``staged=True``, or a job whose peers are not all reachable by NVLink stores); a job whose
     peers all are never touches them, and they are the largest buffer of a worst-case capacity. ``shared_with``:
     configs whose round trips run in turn on the same buffers (an fp8 layer's backward in its gradient dtype): each
-    buffer holds the largest of them."""
+    buffer holds the largest of them. ``window_slots``: the rows of a round (window_slots_for); None: all."""
     sizes: dict[str, int] = {}
     for c in (cfg, *shared_with):
-        for name, size in _buffer_sizes(c, world, measurement, staging):
+        for name, size in _buffer_sizes(c, world, measurement, staging, window_slots):
             sizes[name] = max(sizes.get(name, 0), size)
     layout, offset = {}, 0
     for name, size in sizes.items():
@@ -125,12 +135,43 @@ def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False, 
     return layout
 
 
-def symmetric_bytes(cfg: MoECommConfig, world: int, staging: bool = False,
-                    shared_with: tuple[MoECommConfig, ...] = ()) -> int:
-    """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (``staging``, ``shared_with``: see
-    symmetric_layout)."""
-    layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with)
+def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
     return sum(size for _, size in layout.values())
+
+
+def window_slots_for(cfg: MoECommConfig, world: int, max_bytes: int | None, staging: bool = False,
+                     shared_with: tuple[MoECommConfig, ...] = (), measurement: bool | None = None) -> int | None:
+    """The slots per source of one round of a windowed round trip: None (no window) when the heap of every slot fits
+    ``max_bytes`` (or there is no bound), else the most whose heap does. Rows then travel in rounds of that many
+    slots per source (``window_slots * dp_size`` tokens of each DP group), through buffers of one round. ValueError
+    when not even one slot per source fits, or when a window would be needed on the staged path (peers off NVLink,
+    or ``staged=True``), which has none."""
+    if max_bytes is None:
+        return None
+    measurement = _native.measurement_build() if measurement is None else measurement
+    heap = lambda w: _layout_bytes(symmetric_layout(cfg, world, measurement, staging, shared_with, w))  # noqa: E731
+    slots = -(-cfg.max_tokens // cfg.dp_size)
+    if heap(slots) <= max_bytes:
+        return None
+    if staging:
+        raise ValueError(f"max_symmetric_bytes={max_bytes} needs a windowed round trip ({heap(slots)} bytes "
+                         "unwindowed), which runs on NVLink peers only: not with staged=True or peers off NVLink")
+    if heap(1) > max_bytes:
+        raise ValueError(f"max_symmetric_bytes={max_bytes} is below the smallest windowed heap of this config "
+                         f"({heap(1)} bytes, one slot per source a round); raise it or lower max_tokens")
+    low, high = 1, slots - 1  # heap(low) fits, heap(slots) does not
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if heap(mid) <= max_bytes else (low, mid - 1)
+    return low
+
+
+def symmetric_bytes(cfg: MoECommConfig, world: int, staging: bool = False,
+                    shared_with: tuple[MoECommConfig, ...] = (), max_bytes: int | None = None) -> int:
+    """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (``staging``, ``shared_with``: see
+    symmetric_layout; ``max_bytes``: MoEComm's max_symmetric_bytes, see window_slots_for)."""
+    window = window_slots_for(cfg, world, max_bytes, staging, shared_with)
+    return _layout_bytes(symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +182,18 @@ class Plan:
     ctx: int
     p2p: bool  # stores reach every peer (NVLink): the fused calls run one kernel each, combine_send pre-reduces
     rank: int  # this process's rank in its EP group
-    # The symmetric allocation, this plan's own or (shared) its owner's; and the plan whose buffers and protocol
-    # state this one shares (share_plan). Not compared: a plan is named by its context.
+    # The symmetric allocation, this plan's own or (shared) its owner's; the slots per source of a round (None: no
+    # window); and the plan whose buffers and protocol state this one shares (share_plan). Not compared: a plan is
+    # named by its context.
     layout: dict[str, tuple[int, int]] = dataclasses.field(compare=False)
+    window_slots: int | None = dataclasses.field(compare=False)
     owner: Plan | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def windowed(self) -> bool:
+        """Rows travel in rounds: the split halves then defer to the fused calls (a round's send waits for the
+        previous round's receive, so one kernel must do both)."""
+        return self.window_slots is not None
 
 
 def ep_group(mesh, ep_axes: tuple[str, ...], device) -> tuple[int, list]:
@@ -181,8 +230,8 @@ def create_plan(geo: Geometry, mesh, shared_with: tuple[MoECommConfig, ...] = ()
         raise ValueError("the NVSHMEM backend needs one GPU per process: an EP group holds two devices of process "
                          f"{max(pes, key=pes.count)}")
     _register_targets()
-    ctx, layout = create_context(cfg, geo.world, rank, geo.options, pes, shared_with)
-    return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)), rank, layout)
+    ctx, layout, window = create_context(cfg, geo.world, rank, geo.options, pes, shared_with)
+    return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)), rank, layout, window)
 
 
 def share_plan(owner: Plan, geo: Geometry) -> Plan:
@@ -190,23 +239,26 @@ def share_plan(owner: Plan, geo: Geometry) -> Plan:
     protocol state: their round trips form one sequence (one epoch count, one phase order, one failure state), so a
     round trip of one that overlaps one of the other fails with an "expected <phase>" error instead of mixing rows.
     Not collective; close it before its owner."""
-    sizes = kernel_sizes(geo.cfg, geo.world, owner.rank, _native.ext.sm_count(), geo.options.timeout_s)
+    sizes = kernel_sizes(geo.cfg, geo.world, owner.rank, _native.ext.sm_count(), geo.options.timeout_s,
+                         owner.window_slots)
     ctx = _native.ext.share_context(owner.ctx, sizes, owner.layout, geo.options.ids_first_min_tokens)
-    return Plan(geo, ctx, owner.p2p, owner.rank, owner.layout, owner)
+    return Plan(geo, ctx, owner.p2p, owner.rank, owner.layout, owner.window_slots, owner)
 
 
 def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, pe_of_rank: list[int] | None = None,
-                   shared_with: tuple[MoECommConfig, ...] = ()) -> tuple[int, dict[str, tuple[int, int]]]:
-    """Collective: the extension's context of one MoEComm on this rank (its id) and its symmetric layout. pe_of_rank:
-    the NVSHMEM PE of each rank of the EP group (default: rank r is PE r, the group of every PE). The staging buffers
-    are allocated when some process of the job needs them (an allocation has one size on every process)."""
+                   shared_with: tuple[MoECommConfig, ...] = ()) -> tuple[int, dict[str, tuple[int, int]], int | None]:
+    """Collective: the extension's context of one MoEComm on this rank (its id), its symmetric layout and the slots
+    per source of a round (None: no window; see window_slots_for). pe_of_rank: the NVSHMEM PE of each rank of the
+    EP group (default: rank r is PE r, the group of every PE). The staging buffers are allocated when some process
+    of the job needs them (an allocation has one size on every process)."""
     pes = list(range(world)) if pe_of_rank is None else list(pe_of_rank)
     staging = options.staged or not _native.ext.job_on_nvlink(pes)
-    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s)
-    layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with)
+    window = window_slots_for(cfg, world, options.max_symmetric_bytes, staging, shared_with)
+    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s, window)
+    layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window)
     ctx = _native.ext.create_context(sizes, layout, pes, staged=options.staged,
                                      ids_first_min_tokens=options.ids_first_min_tokens)
-    return ctx, layout
+    return ctx, layout, window
 
 
 def plan_bytes(plan: Plan) -> int:
@@ -243,9 +295,10 @@ class PendingDispatch:
     topk_ids: Array
     num_tokens: Array
     topk_weights: Array | None = None  # given to dispatch_send: into the handle
+    deferred: tuple | None = None  # windowed plans: (x, scales, after), for the fused dispatch that dispatch_recv runs
 
 
-@pytree_dataclass(static=("rows_type", "reduced"))
+@pytree_dataclass(static=("rows_type", "reduced", "weights_sent"))
 class PendingCombine:
     """combine_send's status (orders combine_recv after it) and the routing."""
 
@@ -255,6 +308,8 @@ class PendingCombine:
     topk_weights: Array | None  # given to combine_send (else to combine_recv)
     rows_type: int  # static: the RowType code of the rows in flight
     reduced: bool  # static: one pre-reduced row per (token, expert rank) instead of one per slot
+    deferred: tuple | None = None  # windowed plans: (expert_y, row_origin), for the fused combine of combine_recv
+    weights_sent: bool = False  # static, windowed plans: the dispatch stored the weights everywhere
 
 
 _STATUS = jax.ShapeDtypeStruct((errors.STATUS_WORDS,), jnp.int32)
@@ -281,7 +336,11 @@ def _call(name: str, results, plan: Plan, *args, **attrs):
 
 def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
                   topk_weights: Array | None = None, after: Array | None = None) -> PendingDispatch:
-    """after: an array the call must run after (its operand, never read; see _after_arg)."""
+    """after: an array the call must run after (its operand, never read; see _after_arg). On a windowed plan nothing
+    runs here: dispatch_recv runs the fused dispatch (see Plan.windowed)."""
+    if plan.windowed:
+        status = jnp.zeros((errors.STATUS_WORDS,), jnp.int32)
+        return PendingDispatch(status, topk_ids, num_tokens, topk_weights, (x, scales, after))
     status = _call("dispatch_send", _STATUS, plan, x, _scales_arg(plan, scales), topk_ids, num_tokens,
                    _sent_weights_arg(plan, topk_weights), _after_arg(plan, x, after))
     return PendingDispatch(status, topk_ids, num_tokens, topk_weights)
@@ -339,6 +398,8 @@ def _dispatched(plan: Plan, received, topk_ids: Array, num_tokens: Array, topk_w
 
 
 def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
+    if p.deferred is not None:
+        return dispatch(plan, p.deferred[0], p.topk_ids, p.deferred[1], p.num_tokens, p.topk_weights, p.deferred[2])
     *received, status = _call("dispatch_recv", _received(plan) + (_STATUS,), plan, p.status)
     return _dispatched(plan, received, p.topk_ids, p.num_tokens, p.topk_weights, p.status, status)
 
@@ -366,10 +427,15 @@ def combine_send(plan: Plan, expert_y: Array, handle: CombineHandle,
 
 def _combine_send(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Array | None,
                   sent: bool) -> PendingCombine:
-    """combine_send with its weights resolved (None: rows per slot) and whether the dispatch stored them."""
+    """combine_send with its weights resolved (None: rows per slot) and whether the dispatch stored them. On a
+    windowed plan nothing runs here: combine_recv runs the fused combine."""
     cfg = plan.geo.cfg
     reduced = topk_weights is not None and plan.p2p
     partial = cfg.out_dtype
+    if plan.windowed:
+        return PendingCombine(jnp.zeros((errors.STATUS_WORDS,), jnp.int32), handle.topk_ids, handle.num_tokens,
+                              topk_weights, row_type(partial if reduced else expert_y.dtype), reduced,
+                              (expert_y, handle.row_origin), sent)
     weights = topk_weights.astype(jnp.float32) if reduced else jnp.zeros((0,), jnp.float32)
     status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin, weights,
                    partial_type=np.int64(row_type(partial)), weights_sent=np.int64(sent))
@@ -381,6 +447,10 @@ def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array | None) -> A
     """topk_weights may be None when combine_send had them."""
     cfg = plan.geo.cfg
     weights = q.topk_weights if topk_weights is None else topk_weights
+    if q.deferred is not None:
+        expert_y, row_origin = q.deferred
+        return _fused_combine(plan, expert_y, row_origin, q.topk_ids, weights, q.num_tokens, q.reduced,
+                              q.weights_sent)
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS)
     y, status = _call("combine_recv", results, plan, q.status, q.topk_ids, weights.astype(jnp.float32), q.num_tokens,
                       rows_type=np.int64(q.rows_type), reduced=np.int64(q.reduced))
@@ -403,9 +473,15 @@ def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Ar
         if weights_at == "send":
             return combine_recv(plan, _combine_send(plan, expert_y, handle, topk_weights, sent), None)
         return combine_recv(plan, _combine_send(plan, expert_y, handle, None, False), topk_weights)
+    return _fused_combine(plan, expert_y, handle.row_origin, handle.topk_ids, topk_weights, handle.num_tokens,
+                          weights_at == "send", sent)
+
+
+def _fused_combine(plan: Plan, expert_y: Array, row_origin: Array, topk_ids: Array, topk_weights: Array,
+                   num_tokens: Array, reduced: bool, sent: bool) -> Array:
+    """The fused combine call (NVLink path): pre-reduced when `reduced`; `sent`: the dispatch stored the weights."""
     cfg = plan.geo.cfg
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS, _STATUS)
-    y, _, status = _call("combine", results, plan, expert_y, handle.row_origin, handle.topk_ids,
-                         topk_weights.astype(jnp.float32), handle.num_tokens,
-                         reduced=np.int64(weights_at == "send"), weights_sent=np.int64(sent))
+    y, _, status = _call("combine", results, plan, expert_y, row_origin, topk_ids, topk_weights.astype(jnp.float32),
+                         num_tokens, reduced=np.int64(reduced), weights_sent=np.int64(sent))
     return _checked(plan, y, status)

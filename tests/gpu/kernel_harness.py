@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from cuda.bindings import runtime as cudart  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from nvshmem_cases import TOLERANCE, routing  # noqa: E402
+from nvshmem_cases import TOLERANCE, routing, window_bound  # noqa: E402
 
 import jax_moe_comm as jmc  # noqa: E402
 from jax_moe_comm import _native, errors, runtime  # noqa: E402
@@ -46,6 +46,11 @@ C = jmc.MoECommConfig
 IDS_FIRST = {"ids_first_min_tokens": 1}  # MoEComm options
 QUANTIZE = {"quantize": True}  # the case's x is bf16, quantized by the dispatch (not a MoEComm option)
 NONFINITE = {"nonfinite": True}  # the case's x holds NaN and infinities (not a MoEComm option)
+
+
+def WINDOW(slots):  # noqa: N802 (options, like IDS_FIRST)
+    """The max_symmetric_bytes that leaves the case's config a window of `slots` slots per source (create_context)."""
+    return {"window_slots": slots}
 
 
 def FP8(num_experts, k, hidden, max_tokens, block):  # noqa: N802 (a config maker, like C)
@@ -89,6 +94,18 @@ CASES = {
     # infinity's: scale inf, NaN in its place), by the word-by-word path and the generic one.
     "quantize: NaN and inf": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, **NONFINITE}),
     "quantize: NaN and inf, generic": (FP8(8, 2, 384, 16, 96), "uniform", {**QUANTIZE, **NONFINITE}),
+    # max_symmetric_bytes below the config's heap: the fused kernels move the rows in rounds through buffers of one
+    # round (ffi/dispatch.cu, ffi/combine.cu), the same layout and sums; every round has rows from every rank.
+    "windowed: bf16 K8 E32, 3 rounds": (C(32, 8, 256, 32, dtype=jnp.bfloat16), "uniform", WINDOW(11)),
+    "windowed: fp8+scales K8, a slot a round": (FP8(32, 8, 512, 16, 128), "uniform", WINDOW(1)),
+    "windowed: skewed, -1 slots": (C(8, 4, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32), "dropped", WINDOW(6)),
+    "windowed: drop, skewed past capacity": (C(8, 3, 64, 32, dtype=jnp.bfloat16, capacity=20, align=4,
+                                                overflow="drop"), "skewed", WINDOW(7)),
+    "windowed: quantize B128": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, **WINDOW(5)}),
+    "windowed: quantize B96, generic": (FP8(8, 2, 384, 16, 96), "skewed", {**QUANTIZE, **WINDOW(5)}),
+    "windowed: bf16 H 7168": (C(16, 4, 7168, 16, dtype=jnp.bfloat16), "uniform", WINDOW(6)),
+    "windowed: many tokens, rounds of 3000": (C(16, 2, 128, 10000, dtype=jnp.float32, out_dtype=jnp.float32),
+                                              "uniform", WINDOW(3000)),
 }
 TOO_SLOW_UNDER_SANITIZER = {"many tokens: several batches per block"}
 WEIGHTS_AT = {"send": "at combine_send", "recv": "at combine_recv", "dispatch": "given to dispatch_send"}
@@ -147,9 +164,12 @@ RUN = {"timeout_s": 30.0, "staged": False}  # this run's MoEComm options (--time
 def create_context(cfg, world, rank, pes=None, **options):
     """Collective: a context of `cfg` for this rank, as MoEComm makes one with these options (and this run's), for
     the EP group of PEs `pes` (by rank; default every PE). Returns (context id, its Sizes)."""
+    if "window_slots" in options:  # WINDOW
+        options = dict(options)
+        options["max_symmetric_bytes"] = window_bound(cfg, world, options.pop("window_slots"))
     opts = Options(**{**RUN, **options})
-    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), opts.timeout_s)
-    return create_backend_context(cfg, world, rank, opts, pes)[0], sizes
+    ctx, _, window = create_backend_context(cfg, world, rank, opts, pes)
+    return ctx, kernel_sizes(cfg, world, rank, _native.ext.sm_count(), opts.timeout_s, window)
 
 
 def reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize=False):
@@ -286,13 +306,14 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
         # through the four kernels and (NVLink only) the two fused ones, each `repeats` times: later round trips
         # reuse the buffers the earlier ones reset.
         split_y = {}
-        for fused in (False, True)[:2 if p2p else 1]:
+        windowed = sizes["window_slots"] < sizes["slots_per_source"]
+        for fused in (True,) if windowed else (False, True)[:2 if p2p else 1]:
             for weights_at in (("send", "dispatch", "recv") if p2p else ("recv",)) * repeats:
                 got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
                                         None if scales is None else scales[rows], T, weights_at, fused, quantize)
                 used, err = check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at)
                 y = got[4]
-                if fused:  # the same device code as the four kernels: the same sums, bit for bit
+                if fused and weights_at in split_y:  # the four kernels' device code: the same sums, bit for bit
                     assert np.array_equal(y.view(np.uint8), split_y[weights_at].view(np.uint8)), \
                         f"fused combine (weights {WEIGHTS_AT[weights_at]}) differs from the four kernels'"
                 split_y.setdefault(weights_at, y)
@@ -301,6 +322,9 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
                         "weights given to dispatch give another combine than weights given to combine_send"
         combines = "pre-reduced (weights to combine_send, to dispatch) and per slot" if p2p else "per slot"
         kernels = "four kernels, then the two fused ones (the same bits)" if p2p else "four kernels"
+        if windowed:
+            rounds = -(-sizes["slots_per_source"] // sizes["window_slots"])
+            kernels = f"the two fused ones in {rounds} rounds of {sizes['window_slots']} slots"
         return (f"rows {used}, combine rel err {err:.1e}, {'NVLink stores' if p2p else 'staged puts'}, "
                 f"{repeats} trips {combines}, {kernels}")
     finally:
@@ -328,7 +352,7 @@ def shared_buffer_set(rank, world, seed) -> str:
     cfg = FP8(32, 8, 512, 16, 128)
     grad = cfg.gradient_config(world, jnp.bfloat16)
     ext, opts = _native.ext, Options(**RUN)
-    owner, layout = create_backend_context(cfg, world, rank, opts, None, (grad,))
+    owner, layout, _ = create_backend_context(cfg, world, rank, opts, None, (grad,))
     sizes = kernel_sizes(cfg, world, rank, ext.sm_count(), opts.timeout_s)
     grad_sizes = kernel_sizes(grad, world, rank, ext.sm_count(), opts.timeout_s)
     shared = ext.share_context(owner, grad_sizes, layout, opts.ids_first_min_tokens)
@@ -536,12 +560,14 @@ def host_barrier(name: str) -> None:
     distributed.global_state.client.wait_at_barrier(f"jax_moe_comm/harness/{name}", 120_000)
 
 
-def fault_round_trips(rank, world, seed, absent_rank_skips: bool) -> str:
+def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: int | None = None) -> str:
     """The last rank comes 2 x timeout late to round trip 1 (or skips it: `absent_rank_skips`), then five more
     round trips follow, then a collective reset and one more. Round trip 1 fails on every rank within one timeout;
-    the five after it are refused at once with the same failure named; after the reset the round trip is correct."""
+    the five after it are refused at once with the same failure named; after the reset the round trip is correct.
+    `window_slots`: windowed (WINDOW), rows in rounds."""
     cfg = C(4 * world, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    ctx, sizes = create_context(cfg, world, rank, timeout_s=FAULT_TIMEOUT_S)
+    ctx, sizes = create_context(cfg, world, rank, timeout_s=FAULT_TIMEOUT_S,
+                                **(WINDOW(window_slots) if window_slots else {}))
     ext = _native.ext
     try:
         p2p = bool(ext.context_p2p(ctx))
@@ -583,19 +609,19 @@ def fault_round_trips(rank, world, seed, absent_rank_skips: bool) -> str:
         ext.destroy_context(ctx)
 
 
-def fault_overflow(rank, world, seed) -> str:
+def fault_overflow(rank, world, seed, window_slots: int | None = None) -> str:
     """T = 4096 into a capacity of 512: every rank's round trip ends in well under a timeout (no combine waits for
     rows that were dropped) with the overflow named on every rank, for rows per slot and pre-reduced rows, four
-    kernels and fused; then a round trip that fits is correct."""
+    kernels and fused (windowed, `window_slots`: fused alone, in rounds); then a round trip that fits is correct."""
     cfg = C(16, 4, 128, 4096, dtype=jnp.float32, out_dtype=jnp.float32, capacity=512)
     # Longer waits than the other faults': eight PEs time-slicing one GPU took over 2 s for this round trip.
     timeout_s = 5 * FAULT_TIMEOUT_S
-    ctx, sizes = create_context(cfg, world, rank, timeout_s=timeout_s)
+    ctx, sizes = create_context(cfg, world, rank, timeout_s=timeout_s, **(WINDOW(window_slots) if window_slots else {}))
     try:
         p2p = bool(_native.ext.context_p2p(ctx))
         inputs, ref = draw_round(cfg, world, seed)
         slowest, texts = 0.0, set()
-        for fused in (False, True)[:2 if p2p else 1]:
+        for fused in (True,) if window_slots else (False, True)[:2 if p2p else 1]:
             for weights_at in ("recv", "send") if p2p else ("recv",):
                 outcome, took = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, fused)
                 assert "rows arrived but capacity is 512" in outcome, outcome
@@ -603,7 +629,7 @@ def fault_overflow(rank, world, seed) -> str:
         assert slowest < timeout_s / 2, f"an overflowing round trip took {slowest:.1f}s"
         assert _native.ext.host_failure(ctx)[errors.CODE] == errors.CAPACITY_OVERFLOW
         inputs, ref = draw_round(cfg, world, seed + 1, num_tokens=32)
-        fits, _ = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, "recv", False)
+        fits, _ = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, "recv", bool(window_slots))
         assert fits == "correct", fits
         return f"{len(texts)} text(s), slowest {slowest * 1e3:.0f} ms: {sorted(texts)[0].split(': ', 1)[1][:80]}"
     finally:
@@ -614,6 +640,8 @@ FAULTS = {
     "fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False),
     "fault: a rank that never arrives, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, True),
     "fault: capacity overflow at T=4096": fault_overflow,
+    "windowed fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False, 5),
+    "windowed fault: capacity overflow at T=4096, rounds of 1000": lambda r, w, s: fault_overflow(r, w, s, 1000),
     "shared buffer set: fp8 and bf16 round trips in turn, interleaving refused": shared_buffer_set,
 }
 

@@ -49,6 +49,15 @@ def routing(rng, kind: str, rows: int, cfg: jmc.MoECommConfig, world: int) -> np
     return ids
 
 
+def window_bound(cfg: jmc.MoECommConfig, world: int, slots: int, shared_with: tuple = ()) -> int:
+    """The max_symmetric_bytes that gives `cfg` at `world` ranks a window of `slots` slots per source: its heap then
+    (the window is the most slots whose heap fits)."""
+    from jax_moe_comm import _native, nvshmem_backend
+
+    layout = nvshmem_backend.symmetric_layout(cfg, world, _native.measurement_build(), False, shared_with, slots)
+    return sum(size for _, size in layout.values())
+
+
 def replicate_groups(a: np.ndarray, world: int, dp: int, T: int) -> np.ndarray:
     """Make the dp ranks of each DP group hold identical rows (copy the group's first rank)."""
     a = a.reshape((world // dp, dp, T) + a.shape[1:])
@@ -174,8 +183,13 @@ OPTIONS: dict = {}  # MoEComm options of every MoEComm the cases make (with_opti
 
 
 def make_comm(cfg, mesh, backend, **options) -> jmc.MoEComm:
-    """A MoEComm over "ep" with the running case's options (and `options`)."""
-    return jmc.MoEComm(cfg, mesh, "ep", backend, **{**OPTIONS, **options})
+    """A MoEComm over "ep" with the running case's options (and `options`). A "window_slots" entry (windowed) becomes
+    the max_symmetric_bytes that gives this config that window."""
+    options = {**OPTIONS, **options}
+    if "window_slots" in options:
+        shared = () if options.get("grad_dtype") is None else (cfg.gradient_config(mesh.size, options["grad_dtype"]),)
+        options["max_symmetric_bytes"] = window_bound(cfg, mesh.size, options.pop("window_slots"), shared)
+    return jmc.MoEComm(cfg, mesh, "ep", backend, **options)
 
 
 def with_options(case, label: str, **options):
@@ -202,6 +216,12 @@ def prereduced(case):
 
 def ids_first(case):
     return with_options(case, "ids first", ids_first_min_tokens=1)
+
+
+def windowed(case, slots: int):
+    """Every MoEComm of `case` with a max_symmetric_bytes that leaves it a window of `slots` slots per source: its rows
+    travel in rounds (max_tokens / slots of them, rounded up)."""
+    return with_options(case, f"windowed, {slots} slots a round", window_slots=slots)
 
 
 def case_scan_layers(mesh, seed):
@@ -807,6 +827,24 @@ def main() -> int:
             mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128), weights_to="dispatch")))),
         ("weights to dispatch: staged puts", lambda s: prereduced(lambda: staged_puts(lambda: run_case(
             mesh, s, "", C(8, 2, 64, 16, dtype=bf16), weights_to="dispatch")))),
+        # max_symmetric_bytes below the config's heap: the rows travel in rounds through buffers of one round.
+        ("windowed: fp8+scales K8, 4 rounds", lambda s: windowed(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128)), 4)),
+        ("windowed: pre-reduced, -1 slots, num_tokens partial", lambda s: prereduced(lambda: windowed(
+            lambda: run_case(mesh, s, "", C(8, 4, 64, 16, dtype=f32, out_dtype=f32), kind="dropped",
+                             num_tokens="partial"), 5))),
+        ("windowed: num_tokens 0", lambda s: windowed(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32), num_tokens="zero"), 5)),
+        ("windowed: quantize, weights with dispatch", lambda s: prereduced(lambda: windowed(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128), weights_to="dispatch", quantize=True), 3))),
+        ("windowed: drop, skewed past capacity", lambda s: windowed(lambda: run_case(
+            mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity=20, align=4, overflow="drop"), kind="skewed"), 7)),
+        ("windowed: dp_size 2", lambda s: windowed(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 16, dtype=f32, out_dtype=f32, dp_size=2), num_tokens="partial"), 3)),
+        ("windowed: 1024 tokens fp8+scales K8, rounds of 300", lambda s: windowed(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 1024, dtype=fp8, scale_block=128)), 300)),
+        ("windowed: a rank receives nothing", lambda s: windowed(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 16, dtype=bf16), kind="rank0_only"), 6)),
         ("scan over 4 layers", lambda s: case_scan_layers(mesh, s)),
         ("200 repeated calls", lambda s: case_repeat(mesh, s)),
         ("grad: custom VJP vs plain AD", lambda s: case_grad(mesh, s)),
@@ -818,6 +856,9 @@ def main() -> int:
         ("grad: 58 layers, one MoEComm, whole layers rematerialized", lambda s: case_grad_one_comm_remat_layers(
             mesh, s)),
         ("grad: fp8 dispatch, bf16 gradients", lambda s: case_grad_fp8(mesh, s)),
+        ("windowed: scan over 4 layers", lambda s: windowed(lambda: case_scan_layers(mesh, s), 7)),
+        ("windowed: grad: custom VJP vs plain AD", lambda s: windowed(lambda: case_grad(mesh, s), 5)),
+        ("windowed: grad: fp8 dispatch, bf16 gradients", lambda s: windowed(lambda: case_grad_fp8(mesh, s), 3)),
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
         ("a backward dispatch inside a forward round trip (fp8, grad_dtype)",
          lambda s: case_backward_set_out_of_order(mesh, s)),
@@ -829,6 +870,8 @@ def main() -> int:
         ("bad expert id in a chain, check_errors='sync'", lambda s: case_bad_ids_in_a_chain(mesh, s, sync=True)),
         ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: the timeouts last (3 s from here on)
         ("ids first: timeout (rank 1 skips)", lambda s: ids_first(lambda: case_timeout(mesh, s))),
+        ("windowed: timeout (rank 1 skips)", lambda s: windowed(lambda: case_timeout(mesh, s), 5)),
+        ("windowed: interleaved round trips", lambda s: windowed(lambda: case_out_of_order(mesh, s), 5)),
     ]
     passed = failed = 0
     for i, (name, fn) in enumerate(cases):

@@ -1,0 +1,88 @@
+"""max_symmetric_bytes: a bounded symmetric heap. Above the bound the rows of a round trip travel in rounds through
+buffers of one round (the window); the routing (ids, weights, flags) keeps a word per token, so every rank knows the
+whole layout before any row moves. The kernels' rounds run on the GPU tests (tests/gpu); here, the sizes."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from conftest import ep_mesh
+
+from jax_moe_comm import MoEComm, MoECommConfig
+from jax_moe_comm import nvshmem_backend as nb
+
+R1 = MoECommConfig(num_experts=256, experts_per_token=8, hidden=7168, max_tokens=4096, dtype=jnp.float8_e4m3fn,
+                   out_dtype=jnp.bfloat16)
+SMALL = MoECommConfig(num_experts=8, experts_per_token=2, hidden=64, max_tokens=16, dp_size=2)
+
+
+def heap(cfg: MoECommConfig, world: int, window_slots: int | None, shared_with=()) -> int:
+    layout = nb.symmetric_layout(cfg, world, False, False, shared_with, window_slots)
+    return sum(size for _, size in layout.values())
+
+
+def test_a_heap_within_the_bound_has_no_window():
+    full = nb.symmetric_bytes(R1, 8)
+    assert nb.window_slots_for(R1, 8, full) is None
+    assert nb.window_slots_for(R1, 8, None) is None
+    assert nb.symmetric_bytes(R1, 8, max_bytes=full) == full
+
+
+@pytest.mark.parametrize("world", [8, 64])
+@pytest.mark.parametrize("fraction", [2, 8])
+def test_the_window_is_the_most_slots_per_source_whose_heap_fits(world, fraction):
+    bound = heap(R1, world, None) // fraction
+    slots = nb.window_slots_for(R1, world, bound)
+    assert heap(R1, world, slots) <= bound < heap(R1, world, slots + 1)
+    assert nb.symmetric_bytes(R1, world, max_bytes=bound) == heap(R1, world, slots)
+
+
+def test_windowed_row_buffers_hold_one_round_and_the_routing_stays_whole():
+    world, slots = 4, 3  # SMALL: 8 slots per source (16 tokens, 2 replicas), 3 a round: 6 tokens per DP group
+    whole = nb.symmetric_layout(SMALL, world)
+    windowed = nb.symmetric_layout(SMALL, world, window_slots=slots)
+    sizes = nb.kernel_sizes(SMALL, world, 0, window_slots=slots)
+    assert (sizes["slots_per_source"], sizes["window_slots"]) == (8, 3)
+    round16 = lambda n: -(-n // 16) * 16  # noqa: E731
+    assert windowed["dispatch_slots"][1] == round16(world * slots * sizes["token_stride"])
+    assert windowed["combine_rows"][1] == round16(slots * SMALL.dp_size * SMALL.experts_per_token *
+                                                  sizes["combine_stride"])
+    for name in ("dispatch_ids", "combine_weights", "combine_flags", "row_of"):
+        assert windowed[name][1] == whole[name][1], name
+    for name in ("window_ready", "dispatch_window_free", "combine_window_free"):
+        assert windowed[name][1] == whole[name][1] == round16(world * 8), name
+
+
+def test_an_fp8_layers_backward_shares_the_window():
+    """The gradient config's rows (bf16) are the wider ones: the window is chosen for the shared buffers."""
+    grad = R1.gradient_config(8, jnp.bfloat16)
+    bound = heap(R1, 8, None, (grad,)) // 4
+    slots = nb.window_slots_for(R1, 8, bound, shared_with=(grad,))
+    assert heap(R1, 8, slots, (grad,)) <= bound < heap(R1, 8, slots + 1, (grad,))
+    assert slots < nb.window_slots_for(R1, 8, bound)
+
+
+def test_a_bound_below_one_round_of_one_slot_is_refused():
+    with pytest.raises(ValueError, match=r"max_symmetric_bytes=1000 is below the smallest windowed heap of this "
+                                         r"config \(\d+ bytes, one slot per source a round\)"):
+        MoEComm(R1, ep_mesh(8), backend="reference", max_symmetric_bytes=1000)
+
+
+def test_the_staged_path_has_no_window():
+    with pytest.raises(ValueError, match="needs a windowed round trip .* NVLink peers only: not with staged=True"):
+        MoEComm(R1, ep_mesh(8), backend="reference", staged=True, max_symmetric_bytes=heap(R1, 8, None) // 2)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "1GiB"])
+def test_max_symmetric_bytes_must_be_a_positive_int(value):
+    with pytest.raises(ValueError, match=r"max_symmetric_bytes must be None or a positive int \(bytes per GPU\), got "):
+        MoEComm(SMALL, ep_mesh(4), backend="reference", max_symmetric_bytes=value)
+
+
+def test_a_moecomm_reports_its_window_and_bounded_heap():
+    bound = heap(R1, 8, None) // 3
+    comm = MoEComm(R1, ep_mesh(8), backend="reference", max_symmetric_bytes=bound)
+    assert comm.symmetric_bytes <= bound
+    assert comm.window_tokens == nb.window_slots_for(R1, 8, bound) * R1.dp_size
+    assert f"max_symmetric_bytes={bound}" in repr(comm)
+    assert MoEComm(R1, ep_mesh(8), backend="reference").window_tokens is None
