@@ -56,6 +56,13 @@ __device__ inline const __nv_bfloat16* bf16_row(const Sizes& s, const DispatchSe
   return static_cast<const __nv_bfloat16*>(a.x) + static_cast<size_t>(t) * s.hidden;
 }
 
+// The header of token t's stride at `row`: its index, then its ids row (lane k < K holds id k, `id`).
+__device__ inline void store_header(char* row, const Sizes& s, int t, int id, int lane) {
+  auto* header = reinterpret_cast<int32_t*>(row + header_offset(s));
+  if (lane == 0) header[0] = t;
+  if (lane < s.experts_per_token) header[1 + lane] = id;
+}
+
 // Token t's stride at `row` (a peer's slot or this rank's staging): payload | fp32 scales | int32 t | int32 ids[K].
 // With a.quantize, `row` must be local memory (byte stores).
 __device__ inline void write_token_row(char* row, const Sizes& s, const DispatchSendArgs& a, int t, int lane) {
@@ -66,9 +73,8 @@ __device__ inline void write_token_row(char* row, const Sizes& s, const Dispatch
     if (s.scale_cols)
       warp_copy(row + scales_offset(s), a.scales + static_cast<size_t>(t) * s.scale_cols, 4 * s.scale_cols, lane);
   }
-  auto* header = reinterpret_cast<int32_t*>(row + header_offset(s));
-  if (lane == 0) header[0] = t;
-  if (lane < s.experts_per_token) header[1 + lane] = a.topk_ids[static_cast<size_t>(t) * s.experts_per_token + lane];
+  const int K = s.experts_per_token;
+  store_header(row, s, t, lane < K ? a.topk_ids[static_cast<size_t>(t) * K + lane] : 0, lane);
 }
 
 // Token t's row into slot `slot` of every rank that hosts one of its live experts (a lane's dest_of_lane), NVLink
@@ -98,9 +104,7 @@ __device__ inline void store_token_row(const Context& ctx, size_t slot, const Di
     if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;  // no expert of token t on rank d
     char* peer_row = peer_ptr(ctx, row, d);
     words.store(peer_row, s.payload_bytes, peer_row + scales_offset(s), scale_bytes, lane);
-    auto* header = reinterpret_cast<int32_t*>(peer_row + header_offset(s));
-    if (lane == 0) header[0] = t;
-    if (lane < K) header[1 + lane] = id;
+    store_header(peer_row, s, t, id, lane);
   }
 }
 
@@ -127,12 +131,8 @@ __device__ inline void store_quantized_token_row(const Context& ctx, size_t slot
   if (part != 0) return;
   const int K = s.experts_per_token;
   const int id = lane < K ? a.topk_ids[static_cast<size_t>(t) * K + lane] : 0;
-  for (int d = 0; d < s.world; ++d) {
-    if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;
-    auto* header = reinterpret_cast<int32_t*>(peer_ptr(ctx, row, d) + header_offset(s));
-    if (lane == 0) header[0] = t;
-    if (lane < K) header[1 + lane] = id;
-  }
+  for (int d = 0; d < s.world; ++d)
+    if (__any_sync(0xffffffffu, dest_of_lane == d)) store_header(peer_ptr(ctx, row, d), s, t, id, lane);
 }
 
 // Warps per quantized row: as many as the grid has per token, up to one per 32-word iteration (1 off the fast

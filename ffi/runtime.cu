@@ -59,29 +59,38 @@ std::tuple<int, int, int> host_version() {
 
 namespace {
 
-// Carves one buffer out of the symmetric allocation by its name in the layout (jax_moe_comm computes the layout:
-// name -> (offset, bytes), every offset 16-byte aligned).
+// The layout's entry (offset, bytes) of buffer `name`, or null (jax_moe_comm computes the layout: name -> (offset,
+// bytes), every offset 16-byte aligned).
+const Layout::mapped_type* entry(const Layout& layout, const char* name) {
+  auto it = layout.find(name);
+  return it == layout.end() ? nullptr : &it->second;
+}
+
+// A buffer the layout may leave out (null then), carved out of the symmetric allocation by its name.
+template <typename T>
+T* optional_region(char* base, const Layout& layout, const char* name) {
+  const auto* at = entry(layout, name);
+  return at == nullptr ? nullptr : reinterpret_cast<T*>(base + at->first);
+}
+
+// A buffer every layout has: its name goes to `missing` when this one lacks it.
 template <typename T>
 T* region(char* base, const Layout& layout, const char* name, std::string* missing) {
-  auto it = layout.find(name);
-  if (it == layout.end()) {
-    *missing += std::string(missing->empty() ? "" : ", ") + name;
-    return nullptr;
-  }
-  return reinterpret_cast<T*>(base + it->second.first);
+  T* buffer = optional_region<T>(base, layout, name);
+  if (buffer == nullptr) *missing += std::string(missing->empty() ? "" : ", ") + name;
+  return buffer;
+}
+
+// The bytes of the layout's buffer `name` (0 when it has none).
+size_t region_bytes(const Layout& layout, const char* name) {
+  const auto* at = entry(layout, name);
+  return at == nullptr ? 0 : at->second;
 }
 
 size_t layout_bytes(const Layout& layout) {
   size_t end = 0;
   for (const auto& [name, at] : layout) end = std::max(end, at.first + at.second);
   return end;
-}
-
-// A buffer the layout may leave out (null then).
-template <typename T>
-T* optional_region(char* base, const Layout& layout, const char* name) {
-  auto it = layout.find(name);
-  return it == layout.end() ? nullptr : reinterpret_cast<T*>(base + it->second.first);
 }
 
 // The ids-first dispatch and the windowed one, and their per-block histograms (local device memory, read only by
@@ -110,12 +119,6 @@ std::string copy_to_device(Context* ctx) {
   if (cudaMemcpy(on_device, ctx, sizeof(Context), cudaMemcpyHostToDevice) != cudaSuccess)
     return "copying a context to the device failed";
   return {};
-}
-
-// The bytes of the layout's buffer `name` (0 when it has none).
-size_t region_bytes(const Layout& layout, const char* name) {
-  auto it = layout.find(name);
-  return it == layout.end() ? 0 : it->second.second;
 }
 
 }  // namespace

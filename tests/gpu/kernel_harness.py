@@ -331,16 +331,16 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
         _native.ext.destroy_context(ctx)
 
 
-def draw_case(cfg, world, seed):
-    """Fresh inputs of one round trip of `cfg` (the same on every rank: x, ids, w, scales, counts) and the
-    reference's outputs."""
+def draw_case(cfg, world, seed, num_tokens=None):
+    """Fresh inputs of one round trip of `cfg` (the same on every rank: x, ids, w, scales, counts; `num_tokens` per
+    rank, default max_tokens) and the reference's outputs."""
     rng = np.random.default_rng(seed)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
     x = rng.standard_normal((world * T, H)).astype(np.float32)
     ids = routing(rng, "uniform", world * T, cfg, world)
     w = rng.random((world * T, K)).astype(np.float32)
     scales = (rng.random((world * T, cfg.scale_cols)) + 0.5).astype(np.float32) if cfg.is_fp8 else None
-    counts = np.full(world, T, np.int32)
+    counts = np.full(world, T if num_tokens is None else num_tokens, np.int32)
     return (x, ids, w, scales, counts), reference_round_trip(cfg, world, x, ids, w, scales, counts)
 
 
@@ -526,25 +526,14 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=
 FAULT_TIMEOUT_S = 2.0
 
 
-def draw_round(cfg, world, seed, num_tokens=None):
-    """Fresh inputs of one round trip (the same on every rank) and the reference's outputs."""
-    rng = np.random.default_rng(seed)
-    T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
-    x = rng.standard_normal((world * T, H)).astype(np.float32)
-    ids = routing(rng, "uniform", world * T, cfg, world)
-    w = rng.random((world * T, K)).astype(np.float32)
-    counts = np.full(world, T if num_tokens is None else num_tokens, np.int32)
-    return (x, ids, w, counts), reference_round_trip(cfg, world, x, ids, w, None, counts)
-
-
 def round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, fused):
     """(outcome, seconds) of one round trip through the kernels: "correct", or the round trip's failure text."""
-    x, ids, w, counts = inputs
+    x, ids, w, scales, counts = inputs
     T = cfg.max_tokens
     rows = slice(rank * T, (rank + 1) * T)
     start = time.time()
-    got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows], None, int(counts[rank]), weights_at,
-                            fused)
+    got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows], None if scales is None else scales[rows],
+                            int(counts[rank]), weights_at, fused)
     took = time.time() - start
     trip = got[5][3]  # combine_recv's status: the round trip's, every rank's first failure merged
     if trip[errors.CODE] == 0:
@@ -575,7 +564,7 @@ def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: 
         late = world - 1
         outcomes, times = [], []
         for trip in range(6):
-            inputs, ref = draw_round(cfg, world, seed + trip)
+            inputs, ref = draw_case(cfg, world, seed + trip)
             if trip == 0 and rank == late:
                 if absent_rank_skips:
                     host_barrier(f"skipped_{seed}")  # the others' round trip 1 has ended
@@ -599,7 +588,7 @@ def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: 
         assert held[errors.CODE] == errors.TIMEOUT and errors.describe(held).split(";")[0] in first, \
             f"the host words hold another failure: {errors.describe(held)}"
         ext.reset_context(ctx)
-        inputs, ref = draw_round(cfg, world, seed + 6)
+        inputs, ref = draw_case(cfg, world, seed + 6)
         after, _ = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, p2p)
         assert after == "correct", f"after reset: {after}"
         assert ext.host_failure(ctx)[errors.CODE] == 0
@@ -619,7 +608,7 @@ def fault_overflow(rank, world, seed, window_slots: int | None = None) -> str:
     ctx, sizes = create_context(cfg, world, rank, timeout_s=timeout_s, **(WINDOW(window_slots) if window_slots else {}))
     try:
         p2p = bool(_native.ext.context_p2p(ctx))
-        inputs, ref = draw_round(cfg, world, seed)
+        inputs, ref = draw_case(cfg, world, seed)
         slowest, texts = 0.0, set()
         for fused in (True,) if window_slots else (False, True)[:2 if p2p else 1]:
             for weights_at in ("recv", "send") if p2p else ("recv",):
@@ -628,7 +617,7 @@ def fault_overflow(rank, world, seed, window_slots: int | None = None) -> str:
                 slowest, texts = max(slowest, took), texts | {outcome}
         assert slowest < timeout_s / 2, f"an overflowing round trip took {slowest:.1f}s"
         assert _native.ext.host_failure(ctx)[errors.CODE] == errors.CAPACITY_OVERFLOW
-        inputs, ref = draw_round(cfg, world, seed + 1, num_tokens=32)
+        inputs, ref = draw_case(cfg, world, seed + 1, num_tokens=32)
         fits, _ = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, "recv", bool(window_slots))
         assert fits == "correct", fits
         return f"{len(texts)} text(s), slowest {slowest * 1e3:.0f} ms: {sorted(texts)[0].split(': ', 1)[1][:80]}"
