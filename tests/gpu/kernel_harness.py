@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from cuda.bindings import runtime as cudart  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from nvshmem_cases import TOLERANCE, routing, window_bound  # noqa: E402
+from nvshmem_cases import TOLERANCE, replicate_groups, routing, window_bound  # noqa: E402
 
 import jax_moe_comm as jmc  # noqa: E402
 from jax_moe_comm import _native, errors, runtime  # noqa: E402
@@ -46,6 +46,7 @@ C = jmc.MoECommConfig
 IDS_FIRST = {"ids_first_min_tokens": 1}  # MoEComm options
 QUANTIZE = {"quantize": True}  # the case's x is bf16, quantized by the dispatch (not a MoEComm option)
 NONFINITE = {"nonfinite": True}  # the case's x holds NaN and infinities (not a MoEComm option)
+PARTIAL = {"partial": True}  # each rank's num_tokens drawn in [0, max_tokens] (not a MoEComm option)
 
 
 def WINDOW(slots):  # noqa: N802 (options, like IDS_FIRST)
@@ -106,6 +107,12 @@ CASES = {
     "windowed: bf16 H 7168": (C(16, 4, 7168, 16, dtype=jnp.bfloat16), "uniform", WINDOW(6)),
     "windowed: many tokens, rounds of 3000": (C(16, 2, 128, 10000, dtype=jnp.float32, out_dtype=jnp.float32),
                                               "uniform", WINDOW(3000)),
+    "windowed: skewed, num_tokens partial": (C(8, 3, 64, 32, dtype=jnp.bfloat16), "skewed", {**PARTIAL, **WINDOW(5)}),
+    # DP groups of two replicas (identical tokens; each sends its share: tokens t with t % 2 == its place).
+    "dp_size 2, num_tokens partial": (C(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32, dp_size=2),
+                                      "uniform", PARTIAL),
+    "windowed: dp_size 2, num_tokens partial": (C(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32, dp_size=2),
+                                                "uniform", {**PARTIAL, **WINDOW(3)}),
 }
 TOO_SLOW_UNDER_SANITIZER = {"many tokens: several batches per block"}
 WEIGHTS_AT = {"send": "at combine_send", "recv": "at combine_recv", "dispatch": "given to dispatch_send"}
@@ -277,13 +284,17 @@ def run_entry(case, rank, world, seed):
     options = dict(options[0]) if options else {}
     quantize = bool(options.pop("quantize", False))
     nonfinite = bool(options.pop("nonfinite", False))
-    return run_case(rank, world, seed, cfg, kind, options=options, quantize=quantize, nonfinite=nonfinite)
+    partial = bool(options.pop("partial", False))
+    return run_case(rank, world, seed, cfg, kind, options=options, quantize=quantize, nonfinite=nonfinite,
+                    partial=partial)
 
 
-def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, quantize=False, nonfinite=False):
+def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, quantize=False, nonfinite=False,
+             partial=False):
     """One case on this rank of `world` ranks (the EP group of PEs `pes`, by rank; default every PE). `quantize`:
     x is bf16 and the fp8 dispatch quantizes it, against the reference quantizer. `nonfinite`: some rows of x hold
-    a NaN, +inf or -inf."""
+    a NaN, +inf or -inf. `partial`: each rank's num_tokens drawn in [0, max_tokens]. With dp_size > 1 the ranks of
+    a DP group get the same inputs."""
     rng = np.random.default_rng(seed)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
     x = rng.standard_normal((world * T, H)).astype(np.float32)
@@ -296,6 +307,12 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
         x[:: max(T // 3, 1), : cfg.scale_block] = 0.0  # some all-zero blocks (scale 1)
     if nonfinite:
         x[1::5, 3], x[2::5, cfg.hidden - 1], x[3::7, 0] = np.nan, np.inf, -np.inf
+    if partial:
+        counts = rng.integers(0, T + 1, world).astype(np.int32)
+    if cfg.dp_size > 1:
+        x, ids, w = (replicate_groups(a, world, cfg.dp_size, T) for a in (x, ids, w))
+        scales = None if scales is None else replicate_groups(scales, world, cfg.dp_size, T)
+        counts = replicate_groups(counts.reshape(world, 1), world, cfg.dp_size, 1).reshape(world)
     ref = reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize)
     ctx, sizes = create_context(cfg, world, rank, pes, **(options or {}))
     try:
@@ -310,7 +327,8 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
         for fused in (True,) if windowed else (False, True)[:2 if p2p else 1]:
             for weights_at in (("send", "dispatch", "recv") if p2p else ("recv",)) * repeats:
                 got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
-                                        None if scales is None else scales[rows], T, weights_at, fused, quantize)
+                                        None if scales is None else scales[rows], int(counts[rank]), weights_at,
+                                        fused, quantize)
                 used, err = check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at)
                 y = got[4]
                 if fused and weights_at in split_y:  # the four kernels' device code: the same sums, bit for bit
