@@ -19,12 +19,14 @@ from .config import MoECommConfig
 GIB = 2**30
 
 
-def heap_bytes(cfg: MoECommConfig, world: int, grad_dtype: Any = None, staging: bool = False) -> int:
+def heap_bytes(cfg: MoECommConfig, world: int, grad_dtype: Any = None, staging: bool = False,
+               max_bytes: int | None = None) -> int:
     """Symmetric heap per GPU of one MoEComm of `cfg` over `world` EP ranks (``comm.symmetric_bytes``): its buffer set,
     for an fp8 payload with grad_dtype sized for the backward round trips' rows too. ``staging``: with the buffers of
-    the path to peers off NVLink."""
+    the path to peers off NVLink. ``max_bytes``: MoEComm's max_symmetric_bytes (the windowed heap where the config
+    needs more)."""
     shared = () if grad_dtype is None else (cfg.gradient_config(world, grad_dtype),)
-    return nvshmem_backend.symmetric_bytes(cfg, world, staging, shared)
+    return nvshmem_backend.symmetric_bytes(cfg, world, staging, shared, max_bytes)
 
 
 def expert_x_bytes(cfg: MoECommConfig, world: int) -> int:

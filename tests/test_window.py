@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import ep_mesh
 
-from jax_moe_comm import MoEComm, MoECommConfig
+from jax_moe_comm import MoEComm, MoECommConfig, memory
 from jax_moe_comm import nvshmem_backend as nb
 
 R1 = MoECommConfig(num_experts=256, experts_per_token=8, hidden=7168, max_tokens=4096, dtype=jnp.float8_e4m3fn,
@@ -86,3 +86,11 @@ def test_a_moecomm_reports_its_window_and_bounded_heap():
     assert comm.window_tokens == nb.window_slots_for(R1, 8, bound) * R1.dp_size
     assert f"max_symmetric_bytes={bound}" in repr(comm)
     assert MoEComm(R1, ep_mesh(8), backend="reference").window_tokens is None
+
+
+def test_a_whole_r1_model_at_ep64_fits_a_one_gib_bound():
+    """The model's heap (forward, backward in bf16, remat: one buffer set) under max_symmetric_bytes=1 GiB."""
+    cfg = memory.r1_config(4096)
+    unbounded = memory.heap_bytes(cfg, 64, jnp.bfloat16)
+    bounded = memory.heap_bytes(cfg, 64, jnp.bfloat16, max_bytes=memory.GIB)
+    assert bounded <= memory.GIB < unbounded
