@@ -142,10 +142,10 @@ def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
 def window_slots_for(cfg: MoECommConfig, world: int, max_bytes: int | None, staging: bool = False,
                      shared_with: tuple[MoECommConfig, ...] = (), measurement: bool | None = None) -> int | None:
     """The slots per source of one round of a windowed round trip: None (no window) when the heap of every slot fits
-    ``max_bytes`` (or there is no bound), else the most whose heap does. Rows then travel in rounds of that many
-    slots per source (``window_slots * dp_size`` tokens of each DP group), through buffers of one round. ValueError
-    when not even one slot per source fits, or when a window would be needed on the staged path (peers off NVLink,
-    or ``staged=True``), which has none."""
+    ``max_bytes`` (or there is no bound), else the fewest rounds whose window fits, the slots split evenly among them.
+    Rows then travel in rounds of that many slots per source (``window_slots * dp_size`` tokens of each DP group),
+    through buffers of one round. ValueError when not even one slot per source fits, or when a window would be needed
+    on the staged path (peers off NVLink, or ``staged=True``), which has none."""
     if max_bytes is None:
         return None
     measurement = _native.measurement_build() if measurement is None else measurement
@@ -163,7 +163,8 @@ def window_slots_for(cfg: MoECommConfig, world: int, max_bytes: int | None, stag
     while low < high:
         mid = (low + high + 1) // 2
         low, high = (mid, high) if heap(mid) <= max_bytes else (low, mid - 1)
-    return low
+    rounds = -(-slots // low)
+    return -(-slots // rounds)  # as many rounds as the largest window that fits needs, no fuller than it
 
 
 def symmetric_bytes(cfg: MoECommConfig, world: int, staging: bool = False,

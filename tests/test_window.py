@@ -28,13 +28,23 @@ def test_a_heap_within_the_bound_has_no_window():
     assert nb.symmetric_bytes(R1, 8, max_bytes=full) == full
 
 
+def rounds_of(slots: int, window: int) -> int:
+    return -(-slots // window)
+
+
 @pytest.mark.parametrize("world", [8, 64])
-@pytest.mark.parametrize("fraction", [2, 8])
-def test_the_window_is_the_most_slots_per_source_whose_heap_fits(world, fraction):
+@pytest.mark.parametrize("fraction", [2, 3, 8])
+def test_the_window_takes_the_fewest_rounds_that_fit_split_evenly(world, fraction):
+    """R1 at 4096 tokens per rank (4096 slots per source): the window fits, one round fewer would not, and the slots
+    are split evenly among the rounds (e.g. four rounds of 1024, not three of the largest window that fits and a
+    short fourth)."""
     bound = heap(R1, world, None) // fraction
-    slots = nb.window_slots_for(R1, world, bound)
-    assert heap(R1, world, slots) <= bound < heap(R1, world, slots + 1)
-    assert nb.symmetric_bytes(R1, world, max_bytes=bound) == heap(R1, world, slots)
+    window = nb.window_slots_for(R1, world, bound)
+    rounds = rounds_of(4096, window)
+    assert heap(R1, world, window) <= bound
+    assert heap(R1, world, rounds_of(4096, rounds - 1)) > bound  # one round fewer does not fit
+    assert window == rounds_of(4096, rounds)  # the slots split evenly: no round fuller than needed
+    assert nb.symmetric_bytes(R1, world, max_bytes=bound) == heap(R1, world, window)
 
 
 def test_windowed_row_buffers_hold_one_round_and_the_routing_stays_whole():
@@ -57,9 +67,9 @@ def test_an_fp8_layers_backward_shares_the_window():
     """The gradient config's rows (bf16) are the wider ones: the window is chosen for the shared buffers."""
     grad = R1.gradient_config(8, jnp.bfloat16)
     bound = heap(R1, 8, None, (grad,)) // 4
-    slots = nb.window_slots_for(R1, 8, bound, shared_with=(grad,))
-    assert heap(R1, 8, slots, (grad,)) <= bound < heap(R1, 8, slots + 1, (grad,))
-    assert slots < nb.window_slots_for(R1, 8, bound)
+    window = nb.window_slots_for(R1, 8, bound, shared_with=(grad,))
+    assert heap(R1, 8, window, (grad,)) <= bound < heap(R1, 8, rounds_of(4096, rounds_of(4096, window) - 1), (grad,))
+    assert window < nb.window_slots_for(R1, 8, bound)
 
 
 def test_a_bound_below_one_round_of_one_slot_is_refused():
