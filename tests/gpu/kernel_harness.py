@@ -50,7 +50,8 @@ PARTIAL = {"partial": True}  # each rank's num_tokens drawn in [0, max_tokens] (
 
 
 def WINDOW(slots):  # noqa: N802 (options, like IDS_FIRST)
-    """The max_symmetric_bytes that leaves the case's config a window of `slots` slots per source (create_context)."""
+    """The max_symmetric_bytes that leaves the case's config a window of `slots` slots per source (create_context;
+    an even split of its slots, as MoEComm makes windows, or it gets the even split below it)."""
     return {"window_slots": slots}
 
 
@@ -102,11 +103,11 @@ CASES = {
     "windowed: skewed, -1 slots": (C(8, 4, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32), "dropped", WINDOW(6)),
     "windowed: drop, skewed past capacity": (C(8, 3, 64, 32, dtype=jnp.bfloat16, capacity=20, align=4,
                                                 overflow="drop"), "skewed", WINDOW(7)),
-    "windowed: quantize B128": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, **WINDOW(5)}),
-    "windowed: quantize B96, generic": (FP8(8, 2, 384, 16, 96), "skewed", {**QUANTIZE, **WINDOW(5)}),
+    "windowed: quantize B128": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, **WINDOW(4)}),
+    "windowed: quantize B96, generic": (FP8(8, 2, 384, 16, 96), "skewed", {**QUANTIZE, **WINDOW(3)}),
     "windowed: bf16 H 7168": (C(16, 4, 7168, 16, dtype=jnp.bfloat16), "uniform", WINDOW(6)),
-    "windowed: many tokens, rounds of 3000": (C(16, 2, 128, 10000, dtype=jnp.float32, out_dtype=jnp.float32),
-                                              "uniform", WINDOW(3000)),
+    "windowed: many tokens, rounds of 2500": (C(16, 2, 128, 10000, dtype=jnp.float32, out_dtype=jnp.float32),
+                                              "uniform", WINDOW(2500)),
     "windowed: skewed, num_tokens partial": (C(8, 3, 64, 32, dtype=jnp.bfloat16), "skewed", {**PARTIAL, **WINDOW(5)}),
     # DP groups of two replicas (identical tokens; each sends its share: tokens t with t % 2 == its place).
     "dp_size 2, num_tokens partial": (C(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32, dp_size=2),
@@ -647,8 +648,8 @@ FAULTS = {
     "fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False),
     "fault: a rank that never arrives, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, True),
     "fault: capacity overflow at T=4096": fault_overflow,
-    "windowed fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False, 5),
-    "windowed fault: capacity overflow at T=4096, rounds of 1000": lambda r, w, s: fault_overflow(r, w, s, 1000),
+    "windowed fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False, 4),
+    "windowed fault: capacity overflow at T=4096, rounds of 1024": lambda r, w, s: fault_overflow(r, w, s, 1024),
     "shared buffer set: fp8 and bf16 round trips in turn, interleaving refused": shared_buffer_set,
 }
 
