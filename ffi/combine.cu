@@ -60,8 +60,10 @@ __device__ inline void combine_in_rounds(const Context& ctx, const CombineSendAr
   const bool vector = vector_rows<Out>(s);
   bool lost = false;
   for (int round = 0; round < window_rounds(s); ++round) {
+    // A wait that gives up is the receive's failure (whichever half waits): its status is the round trip's, and y
+    // is NaN then.
     if (round > 0 && !lost)
-      lost = !wait_for_every_rank(ctx, ctx.combine_window_free, tagged(epoch, round), kCombineSend);
+      lost = !wait_for_every_rank(ctx, ctx.combine_window_free, tagged(epoch, round), kCombineRecv);
     const int first = round * per_round, tokens = min(per_round, s.max_tokens - first);
     if constexpr (Reduced) {
       if (!lost) store_partial_rows<In, Out>(ctx, send, round * s.window_slots, s.window_slots);

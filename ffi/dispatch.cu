@@ -188,9 +188,11 @@ cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, co
                             cudaStream_t stream) {
   if (!ctx.p2p) return cudaErrorNotSupported;  // the staged send is cooperative on its own: two kernels there
   const int wanted = std::max(dispatch_send_blocks(ctx.s), dispatch_recv_blocks(ctx.s));
-  if (windowed(ctx.s))
+  if (windowed(ctx.s)) {
+    if (ctx.block_counts == nullptr) return cudaErrorMemoryAllocation;  // its histograms were not allocated
     return launch_cooperative(send.quantize ? dispatch_windowed_kernel<true> : dispatch_windowed_kernel<false>, wanted,
                               ctx, send, recv, stream);
+  }
   // Quantizing sends take the send-first order: the ids-first order's receive reads this rank's own rows from x.
   if (ctx.ids_first && !send.quantize)
     return launch_cooperative(dispatch_ids_first_kernel, wanted, ctx, send, recv, stream);

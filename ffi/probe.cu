@@ -117,8 +117,10 @@ __global__ void probe_flagged_kernel(Context ctx, const uint2* x, uint2* out, lo
 
 cudaError_t launch_probe(const Context& ctx, const void* x, void* out, long long bytes, int32_t* status,
                          bool flagged, cudaStream_t stream) {
-  // The plain probe lands a source's bytes at [rank][max_tokens] rows of the combine rows ([max_tokens][K]).
-  if (!ctx.p2p || (!flagged && ctx.s.world > ctx.s.experts_per_token)) return cudaErrorNotSupported;
+  // The plain probe lands a source's bytes at [rank][max_tokens] rows of the combine rows ([max_tokens][K]): a
+  // windowed context holds fewer.
+  if (!ctx.p2p || windowed(ctx.s) || (!flagged && ctx.s.world > ctx.s.experts_per_token))
+    return cudaErrorNotSupported;
   const long long room = static_cast<long long>(ctx.s.max_tokens) * ctx.s.combine_stride *
                          (flagged ? ctx.s.experts_per_token / 2 : 1);  // flagged: twice the bytes, in the slots
   if (bytes % 16 != 0 || bytes > room) return cudaErrorInvalidValue;

@@ -95,20 +95,18 @@ size_t layout_bytes(const Layout& layout) {
 
 // The ids-first dispatch and the windowed one, and their per-block histograms (local device memory, read only by
 // those kernels; never read before written in the same call: no zeroing). Without them the fused dispatch sends
-// first; a windowed context cannot run without them (an error then).
-std::string choose_dispatch_order(Context* ctx, int ids_first_min_tokens) {
+// first, and a windowed dispatch fails at its launch (an allocation that failed on one rank must not fail a
+// collective creation on that rank alone).
+void choose_dispatch_order(Context* ctx, int ids_first_min_tokens) {
   const Sizes& s = ctx->s;
   ctx->block_counts = nullptr;
   ctx->ids_first = ctx->p2p && s.dp_size == 1 && s.max_tokens >= ids_first_min_tokens && !windowed(s);
-  if (windowed(s) && !ctx->p2p) return "a windowed MoEComm (max_symmetric_bytes) needs every peer on NVLink";
   const size_t count_bytes = static_cast<size_t>(s.local_experts) * s.num_dp * kMaxBlocksPerSm * s.sm_count *
                              sizeof(int32_t);
   if ((ctx->ids_first || windowed(s)) && cudaMalloc(&ctx->block_counts, count_bytes) != cudaSuccess) {
     ctx->block_counts = nullptr;
     ctx->ids_first = false;
-    if (windowed(s)) return "allocating a windowed context's histograms failed";
   }
-  return {};
 }
 
 // The context's copy in device memory (Context::on_device), for the kernels' failure paths.
@@ -239,11 +237,7 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
     destroy_context(ctx, /*collective=*/false);
     return nullptr;
   }
-  *error = choose_dispatch_order(ctx, ids_first_min_tokens);
-  if (!error->empty()) {
-    destroy_context(ctx, false);
-    return nullptr;
-  }
+  choose_dispatch_order(ctx, ids_first_min_tokens);
 #ifdef JMC_MEASUREMENT
   if (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
       cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess) {
@@ -292,8 +286,8 @@ Context* share_context(Context* owner, const Sizes& sizes, const Layout& layout,
 #ifdef JMC_MEASUREMENT
   ctx->marks = nullptr;  // the owner's stamps only
 #endif
-  *error = choose_dispatch_order(ctx, ids_first_min_tokens);
-  if (error->empty()) *error = copy_to_device(ctx);
+  choose_dispatch_order(ctx, ids_first_min_tokens);
+  *error = copy_to_device(ctx);
   if (!error->empty()) {
     destroy_context(ctx, false);
     return nullptr;
