@@ -4,6 +4,8 @@ whole layout before any row moves. The kernels' rounds run on the GPU tests (tes
 
 from __future__ import annotations
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 from conftest import ep_mesh
@@ -104,3 +106,47 @@ def test_a_whole_r1_model_at_ep64_fits_a_one_gib_bound():
     unbounded = memory.heap_bytes(cfg, 64, jnp.bfloat16)
     bounded = memory.heap_bytes(cfg, 64, jnp.bfloat16, max_bytes=memory.GIB)
     assert bounded <= memory.GIB < unbounded
+
+
+def kernel_targets(fn, *args) -> list[str]:
+    """The custom-call targets of the kernel calls in fn's program, in program order (traced only: nothing runs)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "jmc_kernel_call":
+                found.append(eqn.params["target"])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("window_slots, weights_at, calls", [
+    (None, "send", ["jmc_dispatch_send", "jmc_dispatch_recv", "jmc_combine_send", "jmc_combine_recv"]),
+    (3, "send", ["jmc_dispatch", "jmc_combine"]),
+    (3, "recv", ["jmc_dispatch", "jmc_combine"]),
+])
+def test_the_split_halves_of_a_windowed_plan_run_the_fused_calls(window_slots, weights_at, calls):
+    """A round's send waits for the previous round's receive, so one kernel must do both: on a windowed plan
+    dispatch_send and combine_send launch nothing, and their second halves launch the fused calls."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax_moe_comm.config import Geometry, Options
+
+    cfg, world = MoECommConfig(8, 2, 64, 16, dtype=jnp.bfloat16), 2
+    geo = Geometry(cfg, world, ("ep",), Options(check_errors=False))
+    plan = nb.Plan(geo, ctx=1, p2p=True, rank=0, layout={}, window_slots=window_slots)
+
+    def halves(x, ids, w):
+        n = jnp.int32(cfg.max_tokens)
+        d = nb.dispatch_recv(plan, nb.dispatch_send(plan, x, ids, None, n))
+        q = nb.combine_send(plan, d.expert_x, d.handle, w if weights_at == "send" else None)
+        return nb.combine_recv(plan, q, w if weights_at == "recv" else None)
+
+    mapped = jax.shard_map(halves, mesh=ep_mesh(world), in_specs=P("ep"), out_specs=P("ep"))
+    x = jnp.zeros((world * cfg.max_tokens, cfg.hidden), jnp.bfloat16)
+    ids = jnp.zeros((world * cfg.max_tokens, cfg.experts_per_token), jnp.int32)
+    w = jnp.zeros((world * cfg.max_tokens, cfg.experts_per_token), jnp.float32)
+    assert kernel_targets(mapped, x, ids, w) == calls
