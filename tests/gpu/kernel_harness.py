@@ -363,17 +363,19 @@ def draw_case(cfg, world, seed, num_tokens=None):
     return (x, ids, w, scales, counts), reference_round_trip(cfg, world, x, ids, w, scales, counts)
 
 
-def shared_buffer_set(rank, world, seed) -> str:
+def shared_buffer_set(rank, world, seed, window_slots: int | None = None) -> str:
     """An fp8 config and its bf16 gradient config on one buffer set (share_context), as an fp8 layer's forward and
     backward round trips share a MoEComm's: round trips of the two in turn each give the reference's outputs (the
     bf16 rows in buffers sized for both); a dispatch of one while a round trip of the other is open fails as out of
-    order on every rank, refusing both; a reset of either restores both."""
+    order on every rank, refusing both; a reset of either restores both. `window_slots`: both windowed (WINDOW),
+    the fused kernels alone."""
     cfg = FP8(32, 8, 512, 16, 128)
     grad = cfg.gradient_config(world, jnp.bfloat16)
-    ext, opts = _native.ext, Options(**RUN)
-    owner, layout, _ = create_backend_context(cfg, world, rank, opts, None, (grad,))
-    sizes = kernel_sizes(cfg, world, rank, ext.sm_count(), opts.timeout_s)
-    grad_sizes = kernel_sizes(grad, world, rank, ext.sm_count(), opts.timeout_s)
+    bound = None if window_slots is None else window_bound(cfg, world, window_slots, (grad,))
+    ext, opts = _native.ext, Options(**{**RUN, "max_symmetric_bytes": bound})
+    owner, layout, window = create_backend_context(cfg, world, rank, opts, None, (grad,))
+    sizes = kernel_sizes(cfg, world, rank, ext.sm_count(), opts.timeout_s, window)
+    grad_sizes = kernel_sizes(grad, world, rank, ext.sm_count(), opts.timeout_s, window)
     shared = ext.share_context(owner, grad_sizes, layout, opts.ids_first_min_tokens)
     T, rows = cfg.max_tokens, slice(rank * cfg.max_tokens, (rank + 1) * cfg.max_tokens)
     try:
@@ -387,7 +389,8 @@ def shared_buffer_set(rank, world, seed) -> str:
             check_round_trip(got, ref, rank, T, s["capacity"], s["local_experts"], c, weights_at)
 
         both = [(owner, cfg, sizes), (shared, grad, grad_sizes)]
-        ways = [(w, f) for f in (False, True)[:2 if p2p else 1] for w in (("send", "recv") if p2p else ("recv",))]
+        kernels = (True,) if window is not None else (False, True)[:2 if p2p else 1]
+        ways = [(w, f) for f in kernels for w in (("send", "recv") if p2p else ("recv",))]
         for i, (weights_at, fused) in enumerate(ways):
             for j, (ctx, c, s) in enumerate(both):
                 trip(ctx, c, s, seed + 2 * i + j, weights_at, fused)
@@ -399,7 +402,7 @@ def shared_buffer_set(rank, world, seed) -> str:
                 (x, ids, w, scales, _), _ = draw_case(c, world, seed + 100)
                 args, out = round_trip_buffers(mem, p2p, c, s, x[rows], ids[rows], w[rows],
                                                None if scales is None else scales[rows], T, "recv")
-                for phase, a in round_trip_launches(args, False)[0]:
+                for phase, a in round_trip_launches(args, window is not None)[0]:
                     ext.launch_phase(ctx, phase, a)
                 checked(cudart.cudaDeviceSynchronize())
                 statuses.append(DeviceArrays.get(out["status"][0], (errors.STATUS_WORDS,), np.int32))
@@ -410,9 +413,10 @@ def shared_buffer_set(rank, world, seed) -> str:
         assert statuses[1][errors.CODE] & errors.OUT_OF_ORDER and "expected combine_send" in interleaved, interleaved
         ext.reset_context(shared)  # collective; the owner's state too
         for j, (ctx, c, s) in enumerate(reversed(both)):
-            trip(ctx, c, s, seed + 200 + j, "recv", False)
-        return (f"{len(ways)} x fp8 then bf16 round trips correct on {ext.context_bytes(owner)} B; interleaved: "
-                f"{interleaved.split(': ', 1)[-1][:60]}; after reset both correct")
+            trip(ctx, c, s, seed + 200 + j, "recv", window is not None)
+        rounds = "" if window is None else f", rounds of {window} slots"
+        return (f"{len(ways)} x fp8 then bf16 round trips correct on {ext.context_bytes(owner)} B{rounds}; "
+                f"interleaved: {interleaved.split(': ', 1)[-1][:60]}; after reset both correct")
     finally:
         ext.destroy_context(shared)
         ext.destroy_context(owner)
@@ -651,6 +655,8 @@ FAULTS = {
     "windowed fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False, 4),
     "windowed fault: capacity overflow at T=4096, rounds of 1024": lambda r, w, s: fault_overflow(r, w, s, 1024),
     "shared buffer set: fp8 and bf16 round trips in turn, interleaving refused": shared_buffer_set,
+    "windowed shared buffer set: fp8 and bf16 in turn, interleaving refused": lambda r, w, s: shared_buffer_set(
+        r, w, s, 4),
 }
 
 
