@@ -140,10 +140,11 @@ class MoEComm:
         (the path to peers off NVLink; True tests it on one node). The same results bit for bit.
       max_symmetric_bytes: a bound on ``symmetric_bytes`` (per GPU). None (default): no bound, every row of a round
         trip has its own slot. Below what the config needs, the rows travel in rounds through buffers of one round
-        (``window_tokens`` tokens of every DP group a round, the most that fit): the same layout and results bit for
-        bit, at the cost of a grid barrier and a signal exchange per round; the split halves then run as the fused
-        calls (``dispatch_recv`` and ``combine_recv`` do the work). NVLink peers only; a ValueError when not even a
-        round of one token per rank fits, or with ``staged=True``.
+        (``window_tokens`` tokens of every DP group a round: the fewest rounds that fit, the tokens split evenly
+        among them): the same layout and results bit for bit, at the cost of grid barriers and signal exchanges per
+        round (two of each in a dispatch, one or two in a combine); the split halves then overlap nothing: each runs
+        its fused call in its second half (``dispatch_recv``, ``combine_recv``). NVLink peers only; a ValueError when
+        not even a round of one token per rank fits, or with ``staged=True``.
 
     On the NVSHMEM backend's NVLink path the fused ``dispatch`` and ``combine`` run one kernel each (send, then
     receive), the split halves two; the results are the same.

@@ -190,6 +190,10 @@ class Plan:
     window_slots: int | None = dataclasses.field(compare=False)
     owner: Plan | None = dataclasses.field(default=None, compare=False)
 
+    def __post_init__(self) -> None:
+        if self.window_slots is not None and not self.p2p:  # the staged path has no rounds (window_slots_for)
+            raise ValueError("a windowed plan needs every peer on NVLink")
+
     @property
     def windowed(self) -> bool:
         """Rows travel in rounds: the split halves then defer to the fused calls (a round's send waits for the
@@ -340,7 +344,7 @@ def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, n
     """after: an array the call must run after (its operand, never read; see _after_arg). On a windowed plan nothing
     runs here: dispatch_recv runs the fused dispatch (see Plan.windowed)."""
     if plan.windowed:
-        status = jnp.zeros((errors.STATUS_WORDS,), jnp.int32)
+        status = _varying(jnp.zeros((errors.STATUS_WORDS,), jnp.int32), (x, topk_ids), plan.geo.axis_name)
         return PendingDispatch(status, topk_ids, num_tokens, topk_weights, (x, scales, after))
     status = _call("dispatch_send", _STATUS, plan, x, _scales_arg(plan, scales), topk_ids, num_tokens,
                    _sent_weights_arg(plan, topk_weights), _after_arg(plan, x, after))
@@ -434,9 +438,11 @@ def _combine_send(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weigh
     reduced = topk_weights is not None and plan.p2p
     partial = cfg.out_dtype
     if plan.windowed:
-        return PendingCombine(jnp.zeros((errors.STATUS_WORDS,), jnp.int32), handle.topk_ids, handle.num_tokens,
-                              topk_weights, row_type(partial if reduced else expert_y.dtype), reduced,
-                              (expert_y, handle.row_origin), sent)
+        status = _varying(jnp.zeros((errors.STATUS_WORDS,), jnp.int32), (expert_y, handle.row_origin),
+                          plan.geo.axis_name)
+        return PendingCombine(status, handle.topk_ids, handle.num_tokens, topk_weights,
+                              row_type(partial if reduced else expert_y.dtype), reduced, (expert_y, handle.row_origin),
+                              sent)
     weights = topk_weights.astype(jnp.float32) if reduced else jnp.zeros((0,), jnp.float32)
     status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin, weights,
                    partial_type=np.int64(row_type(partial)), weights_sent=np.int64(sent))
