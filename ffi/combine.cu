@@ -99,20 +99,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   combine_in_rounds<In, Out, true>(ctx, send, recv);
 }
 
-void* windowed_kernel_for(int in_dtype, int out_dtype, bool reduced) {
+// The fused kernel of these row types: pre-reduced or per slot, in rounds (windowed) or in one.
+void* fused_kernel_for(int in_dtype, int out_dtype, bool reduced, bool in_rounds) {
   return with_row_type(in_dtype, [&](auto in) {
     return with_row_type(out_dtype, [&](auto out) {
-      return reduced ? reinterpret_cast<void*>(combine_windowed_reduced_kernel<decltype(in), decltype(out)>)
-                     : reinterpret_cast<void*>(combine_windowed_kernel<decltype(in), decltype(out)>);
-    });
-  });
-}
-
-void* fused_kernel_for(int in_dtype, int out_dtype, bool reduced) {
-  return with_row_type(in_dtype, [&](auto in) {
-    return with_row_type(out_dtype, [&](auto out) {
-      return reduced ? reinterpret_cast<void*>(combine_reduced_kernel<decltype(in), decltype(out)>)
-                     : reinterpret_cast<void*>(combine_kernel<decltype(in), decltype(out)>);
+      using In = decltype(in);
+      using Out = decltype(out);
+      if (in_rounds)
+        return reduced ? reinterpret_cast<void*>(combine_windowed_reduced_kernel<In, Out>)
+                       : reinterpret_cast<void*>(combine_windowed_kernel<In, Out>);
+      return reduced ? reinterpret_cast<void*>(combine_reduced_kernel<In, Out>)
+                     : reinterpret_cast<void*>(combine_kernel<In, Out>);
     });
   });
 }
@@ -124,8 +121,7 @@ cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, cons
   if (!ctx.p2p) return cudaErrorNotSupported;  // staged puts: two kernels there
   const bool reduced = send.topk_weights != nullptr;
   if (reduced != recv.reduced || (reduced && recv.in_dtype != recv.out_dtype)) return cudaErrorInvalidValue;
-  void* kernel = windowed(ctx.s) ? windowed_kernel_for(send.in_dtype, recv.out_dtype, reduced)
-                                 : fused_kernel_for(send.in_dtype, recv.out_dtype, reduced);
+  void* kernel = fused_kernel_for(send.in_dtype, recv.out_dtype, reduced, windowed(ctx.s));
   int per_sm = 0;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   if (err != cudaSuccess) return err;

@@ -163,8 +163,8 @@ struct Context {
   uint64_t* marks;            // [4 phases][kMarks] (device memory), or null: no stamps
 #endif
   int32_t* block_counts;      // [L * num_dp][kMaxBlocksPerSm * sm_count] (device memory, not symmetric; with
-                              // ids_first or windowed, else null): rows of each (local expert, group) in each block's shares of
-                              // the arrivals (histogram_split)
+                              // ids_first or windowed, else null): rows of each (local expert, group) in each block's
+                              // shares of the arrivals (histogram_split)
   int32_t* pe_of_rank;        // [world] (device memory) the NVSHMEM PE of each rank of this MoEComm's EP group: the
                               // ranks of a kernel are the group's, the PEs NVSHMEM's (every process of the job)
   int64_t peer_offset[kMaxNvlinkPeers];  // with p2p: bytes from a local symmetric address to rank r's copy of it

@@ -150,7 +150,7 @@ def window_slots_for(cfg: MoECommConfig, world: int, max_bytes: int | None, stag
         return None
     measurement = _native.measurement_build() if measurement is None else measurement
     heap = lambda w: _layout_bytes(symmetric_layout(cfg, world, measurement, staging, shared_with, w))  # noqa: E731
-    slots = -(-cfg.max_tokens // cfg.dp_size)
+    slots = kernel_sizes(cfg, world, 0)["slots_per_source"]
     if heap(slots) <= max_bytes:
         return None
     if staging:
