@@ -243,6 +243,12 @@ def fused_args(args):
     return [pair(args[0], args[1]), pair(args[2], args[3])]
 
 
+def fused_choices(p2p: bool, windowed: bool) -> tuple[bool, ...]:
+    """The ways a context runs a round trip (fused: False, the four kernels; True, the two fused ones): the fused
+    kernels need NVLink, and a windowed context runs them alone (its rounds wait on the other half)."""
+    return (True,) if windowed else (False, True)[:2 if p2p else 1]
+
+
 def round_trip_launches(args, fused):
     """[(phase, arguments)] of dispatch, then of combine: two kernels each, or one (fused)."""
     if fused:
@@ -325,7 +331,7 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
         # reuse the buffers the earlier ones reset.
         split_y = {}
         windowed = sizes["window_slots"] < sizes["slots_per_source"]
-        for fused in (True,) if windowed else (False, True)[:2 if p2p else 1]:
+        for fused in fused_choices(p2p, windowed):
             for weights_at in (("send", "dispatch", "recv") if p2p else ("recv",)) * repeats:
                 got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
                                         None if scales is None else scales[rows], int(counts[rank]), weights_at,
@@ -401,7 +407,7 @@ def shared_buffer_set(rank, world, seed, window_slots: int | None = None) -> str
             check_round_trip(got, ref, rank, T, s["capacity"], s["local_experts"], c, weights_at)
 
         both = [(owner, cfg, sizes), (shared, grad, grad_sizes)]
-        kernels = (True,) if window is not None else (False, True)[:2 if p2p else 1]
+        kernels = fused_choices(p2p, window is not None)
         ways = [(w, f) for f in kernels for w in (("send", "recv") if p2p else ("recv",))]
         for i, (weights_at, fused) in enumerate(ways):
             for j, (ctx, c, s) in enumerate(both):
@@ -645,7 +651,7 @@ def fault_overflow(rank, world, seed, window_slots: int | None = None) -> str:
         p2p = bool(_native.ext.context_p2p(ctx))
         inputs, ref = draw_case(cfg, world, seed)
         slowest, texts = 0.0, set()
-        for fused in (True,) if window_slots else (False, True)[:2 if p2p else 1]:
+        for fused in fused_choices(p2p, bool(window_slots)):
             for weights_at in ("recv", "send") if p2p else ("recv",):
                 outcome, took = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, fused)
                 assert "rows arrived but capacity is 512" in outcome, outcome
