@@ -151,6 +151,8 @@ NB_MODULE(_nvshmem_ext, m) {
         "Bytes of symmetric heap the context allocated on this PE.");
   m.def("context_p2p", [](int64_t id) { return context(id)->p2p; },
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
+  m.def("context_flagged", [](int64_t id) { return context(id)->flagged; },
+        "True when the context's fused calls take the low-latency path (flagged words).");
 #ifdef JMC_MEASUREMENT
   m.def("take_kernel_marks", [](int64_t id) { return jmc::take_kernel_marks(context(id)); },
         "[phase * kMarks + mark] globaltimer ns of the last round trip's kernel steps, cleared (measurement builds).");

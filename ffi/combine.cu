@@ -38,6 +38,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   receive_combined<Out, Out>(ctx, recv);
 }
 
+// The low-latency path (Context::flagged): rows per slot in flagged words, each chunk summed as its words land; the
+// send's end with the receive's (end_combine), off the sums' path.
+template <typename In, typename Out>
+__global__ void combine_flagged_kernel(Context ctx, CombineSendArgs send, CombineRecvArgs recv) {
+  if (!combine_send_flagged(ctx, send)) return skip_receive<Out>(ctx, recv);
+  mark(ctx, kCombineRecv, kStart);
+  sum_flagged_slot_rows<In, Out>(ctx, recv, min(max(*recv.num_tokens, 0), ctx.s.max_tokens));
+  end_combine<Out>(ctx, recv, send.status);
+}
+
 // The windowed combine (Sizes::window_slots below slots_per_source: a bounded heap): rounds of window_tokens tokens
 // of every DP group through a window of that many tokens' rows on every rank. Each round: wait until every rank has
 // summed the previous round out of its window (combine_window_free); send the round's rows (per slot, each followed
@@ -99,12 +109,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   combine_in_rounds<In, Out, true>(ctx, send, recv);
 }
 
-// The fused kernel of these row types: pre-reduced or per slot, in rounds (windowed) or in one.
-void* fused_kernel_for(int in_dtype, int out_dtype, bool reduced, bool in_rounds) {
+// The fused kernel of these row types: pre-reduced or per slot, in rounds (windowed) or in one, in flagged words
+// (the low-latency path: per slot only).
+void* fused_kernel_for(int in_dtype, int out_dtype, bool reduced, bool in_rounds, bool flagged) {
   return with_row_type(in_dtype, [&](auto in) {
     return with_row_type(out_dtype, [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
+      if (flagged && !reduced) return reinterpret_cast<void*>(combine_flagged_kernel<In, Out>);
       if (in_rounds)
         return reduced ? reinterpret_cast<void*>(combine_windowed_reduced_kernel<In, Out>)
                        : reinterpret_cast<void*>(combine_windowed_kernel<In, Out>);
@@ -121,7 +133,9 @@ cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, cons
   if (!ctx.p2p) return cudaErrorNotSupported;  // staged puts: two kernels there
   const bool reduced = send.topk_weights != nullptr;
   if (reduced != recv.reduced || (reduced && recv.in_dtype != recv.out_dtype)) return cudaErrorInvalidValue;
-  void* kernel = fused_kernel_for(send.in_dtype, recv.out_dtype, reduced, windowed(ctx.s));
+  // A flagged slot row holds combine_stride bytes of expert_y's row.
+  const bool flagged = ctx.flagged && ctx.s.hidden * send.elem_bytes <= ctx.s.combine_stride;
+  void* kernel = fused_kernel_for(send.in_dtype, recv.out_dtype, reduced, windowed(ctx.s), flagged);
   int per_sm = 0;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   if (err != cudaSuccess) return err;

@@ -197,6 +197,91 @@ __device__ inline void sum_slot_rows(const Context& ctx, const CombineRecvArgs& 
   }
 }
 
+// The low-latency path (Context::flagged): token t's chunk of columns [c0, c0 + kChunk) over its live slots, as
+// add_slots sums them (acc += w[k] * row(t, k), slots in order 0..K-1), each slot's chunk polled from its flagged
+// words; a slot whose flag says its expert rank dropped it (capacity) adds nothing. kSlotBatch slots' words are
+// loaded before any is waited for. False when a wait gave up.
+template <typename In>
+__device__ inline bool add_flagged_slots(const Context& ctx, const int32_t* ids, const float* weights, int t, int c0,
+                                         float* acc, Patience& patience) {
+  const Sizes& s = ctx.s;
+  const int K = s.experts_per_token;
+  constexpr int kPairs = kChunk * sizeof(In) / 8;  // flagged pairs of one chunk
+  const uint32_t epoch = current_epoch(ctx);
+  const uint64_t dropped = tagged(epoch, kSlotDropped);
+  const unsigned live = live_slots(ids, K, s.num_experts);
+  const auto words_of = [&](int k) {  // the chunk's flagged words in slot (t, k)'s row
+    return ctx.flagged_combine + (static_cast<size_t>(t) * K + k) * flagged_combine_words(s) +
+           c0 * sizeof(In) / 4;
+  };
+  for (int k0 = 0; k0 < K; k0 += kSlotBatch) {
+    ulonglong2 w[kSlotBatch][kPairs];
+#pragma unroll
+    for (int b = 0; b < kSlotBatch; ++b)
+      if (k0 + b < K && (live >> (k0 + b) & 1u))
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q) w[b][q] = load_flagged_pair(words_of(k0 + b) + 2 * q);
+#pragma unroll
+    for (int b = 0; b < kSlotBatch; ++b) {
+      const int k = k0 + b;
+      if (k >= K || !(live >> k & 1u)) continue;
+      const auto landed = [&] {
+        bool all = true;
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q) all = all && pair_landed(w[b][q], epoch);
+        return all;
+      };
+      bool here = true;
+      while (!landed()) {  // the chunk's words again, until they hold this round trip's data
+        if (*reinterpret_cast<const volatile uint64_t*>(ctx.combine_flags + static_cast<size_t>(t) * K + k) ==
+            dropped) {
+          here = false;
+          break;
+        }
+        if (patience.gave_up(ctx, kCombineRecv, ids[k] / s.local_experts)) return false;
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q) w[b][q] = load_flagged_pair(words_of(k) + 2 * q);
+      }
+      if (!here) continue;
+      union {
+        uint32_t words[2 * kPairs];
+        Chunk<In> chunk;
+      } v;
+#pragma unroll
+      for (int q = 0; q < kPairs; ++q) {
+        v.words[2 * q] = value_of(w[b][q].x);
+        v.words[2 * q + 1] = value_of(w[b][q].y);
+      }
+      const float weight = weights[k];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) acc[j] += weight * to_float(v.chunk.v[j]);
+    }
+  }
+  mark(ctx, kCombineRecv, kStep1);  // block 0's (last) token's rows summed
+  return true;
+}
+
+// The low-latency path's rows per slot into y, a thread per (token, kChunk columns) as sum_slot_rows (rows of a
+// multiple of kChunk columns: Context::flagged). Rows past num_tokens are zero; after a wait gave up the thread's
+// later chunks are left (y is NaN then).
+template <typename In, typename Out>
+__device__ inline void sum_flagged_slot_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens) {
+  const Sizes& s = ctx.s;
+  const int K = s.experts_per_token, chunks_per_row = s.hidden / kChunk;
+  const size_t items = static_cast<size_t>(s.max_tokens) * chunks_per_row;
+  Patience patience;
+  for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
+       item += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int t = static_cast<int>(item / chunks_per_row), c0 = static_cast<int>(item % chunks_per_row) * kChunk;
+    float acc[kChunk] = {};
+    if (t < num_tokens && !add_flagged_slots<In>(ctx, a.topk_ids + static_cast<size_t>(t) * K,
+                                                 a.topk_weights + static_cast<size_t>(t) * K, t, c0, acc, patience))
+      return;
+    store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, true, kChunk);
+    mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
+  }
+}
+
 // Whole-chunk vector loads/stores need every row start 16-byte aligned (slot rows are; output rows need this).
 template <typename Out>
 __device__ inline bool vector_rows(const Sizes& s) {
@@ -207,8 +292,9 @@ __device__ inline bool vector_rows(const Sizes& s) {
 // buffers, so our next dispatch_send may write them, and has published its failures of this round trip, which
 // block 0 merges), then the round trip's status; a round trip that failed anywhere gives NaN here, on every rank
 // alike.
+// With `send_status` (the low-latency kernel) the send's end comes first, in the same last block.
 template <typename Out>
-__device__ inline void end_combine(const Context& ctx, const CombineRecvArgs& a) {
+__device__ inline void end_combine(const Context& ctx, const CombineRecvArgs& a, int32_t* send_status = nullptr) {
   const Sizes& s = ctx.s;
   const uint64_t signalled = tagged(current_epoch(ctx), 1);
   mark(ctx, kCombineRecv, kWorked);
@@ -223,11 +309,15 @@ __device__ inline void end_combine(const Context& ctx, const CombineRecvArgs& a)
     const bool all = __syncthreads_and(all_here), any = __syncthreads_or(published);
     if (all && any && threadIdx.x == 0) merge_round_failures(*ctx.on_device);
   }
-  int32_t code;
-  if (finish_phase(ctx, kCombineRecv, a.status, true, &code)) {
-    if (code != 0) fill_nan<Out>(ctx, a.out, false);
-    mark(ctx, kCombineRecv, kEnd, true);
+  if (!last_block_done(ctx.local->blocks_done + kCombineRecv)) return;
+  if (send_status != nullptr) {
+    close_phase(ctx, kCombineSend, send_status, false, nullptr);
+    mark(ctx, kCombineSend, kEnd, true);
   }
+  int32_t code;
+  close_phase(ctx, kCombineRecv, a.status, true, &code);
+  if (code != 0) fill_nan<Out>(ctx, a.out, false);
+  mark(ctx, kCombineRecv, kEnd, true);
 }
 
 // The phase after its protocol-order check (combine_recv.cu), or right after the send in the fused combine

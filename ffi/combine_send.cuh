@@ -93,6 +93,35 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
   return true;
 }
 
+// The low-latency send (Context::flagged; the fused combine, combine.cu): our sync flags as combine_send_rows sets
+// them (they carry this rank's failures of the round trip to every peer), then a warp per row, stored home into its
+// slot of every replica of its source DP group in flagged words: no fence, no slot flag after it. False when the
+// phase did not run (refused or out of protocol order).
+__device__ inline bool combine_send_flagged(const Context& ctx, const CombineSendArgs& a) {
+  const Sizes& s = ctx.s;
+  if (!begin_phase(ctx, kCombineSend, a.status)) return false;
+  if (blockIdx.x == gridDim.x - 1) {  // the last block, so that block 0 starts on the first rows meanwhile
+    signal_done_reading(ctx);
+    mark(ctx, kCombineSend, kWaited, true);
+  }
+  const uint32_t epoch = current_epoch(ctx);
+  const int lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int row_bytes = s.hidden * a.elem_bytes, pairs = row_bytes / 8;
+  for (int p = gwarp; p < s.capacity; p += nwarps) {
+    int group, slot;
+    if (!origin_slot(s, a.row_origin[p], &group, &slot)) continue;
+    const auto* row = reinterpret_cast<const uint2*>(static_cast<const char*>(a.expert_y) +
+                                                     static_cast<size_t>(p) * row_bytes);
+    uint64_t* dst = ctx.flagged_combine + static_cast<size_t>(slot) * flagged_combine_words(s);
+    warp_store_flagged(row, pairs, row, pairs, epoch, s.dp_size,
+                       [&](int j) { return peer_ptr(ctx, dst, group * s.dp_size + j); }, lane);
+    mark(ctx, kCombineSend, kStep1);  // block 0's (last) row stored
+  }
+  mark(ctx, kCombineSend, kWorked);
+  return true;
+}
+
 // A round of the windowed combine (combine.cu), rows per slot: the rows whose tokens are in the round (tokens
 // [round * W, (round + 1) * W) of each DP group, W = window_tokens), each into its slot's place in the round's window
 // of every replica, then the slot's flag. NVLink only.

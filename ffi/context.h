@@ -145,6 +145,11 @@ struct Context {
   uint64_t* dispatch_window_free;  // [world] tagged(epoch, round + 1) once that rank has copied its dispatch window
                                    // of the round (our rows in it may be overwritten by the next round's)
   uint64_t* combine_window_free;   // [world] the same for that rank's combine window
+  // The low-latency path (Context::flagged): every 8-byte word holds 4 data bytes and the round trip's epoch
+  // (tagged), so a receiver polls the data itself. Only in layouts of a low-latency MoEComm (else null).
+  uint64_t* flagged_rows;     // [world][slots_per_source][flagged_row_words] a source's token i: payload | scales
+  uint64_t* flagged_ids;      // [world][slots_per_source][K] a source's token i's ids
+  uint64_t* flagged_combine;  // [max_tokens][K][flagged_combine_words] the slot rows arriving here
 #ifdef JMC_MEASUREMENT
   uint64_t* probe_ready;      // [world] the epoch of the last probe (ffi/probe.cu) whose bytes landed from that rank
 #endif
@@ -171,6 +176,8 @@ struct Context {
                                          // as this GPU maps it (peer_ptr; what nvshmem_ptr computes on the device)
   bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
                               // written straight into peers' slots instead of staged and put
+  bool flagged;               // the fused calls take the low-latency path (flagged words; dispatch.cu, combine.cu):
+                              // the layout has its buffers, NVLink, unwindowed
   bool ids_first;             // the fused dispatch sends every ids row before any row (dispatch.cu): NVLink, one
                               // replica per DP group, and MoEComm's ids_first_min_tokens tokens per rank or more
                               // (and block_counts allocated)
@@ -187,6 +194,11 @@ inline JMC_HOST_DEVICE int window_rounds(const Sizes& s) {
   return (s.slots_per_source + s.window_slots - 1) / s.window_slots;
 }
 inline JMC_HOST_DEVICE int window_tokens(const Sizes& s) { return s.window_slots * s.dp_size; }
+
+// The low-latency path's rows in flagged words (Context::flagged): a dispatch row's payload and scales, 4 bytes a
+// word, and a combine slot row of combine_stride bytes.
+inline JMC_HOST_DEVICE int flagged_row_words(const Sizes& s) { return (s.payload_bytes + 4 * s.scale_cols) / 4; }
+inline JMC_HOST_DEVICE int flagged_combine_words(const Sizes& s) { return s.combine_stride / 4; }
 
 // Offsets into the staged token stride.
 inline JMC_HOST_DEVICE int scales_offset(const Sizes& s) { return s.payload_bytes; }

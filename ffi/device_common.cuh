@@ -399,6 +399,124 @@ __device__ inline uint64_t wait_for(const Context& ctx, const uint64_t* word, ui
   return value;
 }
 
+// Flagged words (the low-latency path, Context::flagged; the floor probe): 8 bytes holding 4 data bytes and the
+// round trip's epoch, tagged(epoch, data), stored and loaded in pairs by one 16-byte vector access (each element of a
+// vector access is single-copy atomic on its own). A word that holds this epoch holds its data, so the receiver
+// polls the data itself: no fence, count or signal orders it.
+__device__ inline void store_flagged_pair(uint64_t* p, uint64_t a, uint64_t b) {
+  asm volatile("st.volatile.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+__device__ inline ulonglong2 load_flagged_pair(const uint64_t* p) {
+  ulonglong2 w;
+  asm volatile("ld.volatile.v2.u64 {%0, %1}, [%2];" : "=l"(w.x), "=l"(w.y) : "l"(p) : "memory");
+  return w;
+}
+__device__ inline bool pair_landed(const ulonglong2& w, uint32_t epoch) {
+  return epoch_of(w.x) == epoch && epoch_of(w.y) == epoch;
+}
+
+// The bound of one thread's polls of flagged words, as wait_for's: it gives up at once when the abort word is set
+// and timeout_ns after its first poll that found nothing (kTimeout naming `peer`). One per thread: a dead peer
+// costs one timeout, however many words the thread waits for.
+struct Patience {
+  uint64_t deadline = 0;
+  __device__ bool gave_up(const Context& ctx, Phase phase, int peer) {
+    if (deadline == 0) deadline = now_ns() + ctx.s.timeout_ns;
+    if (*reinterpret_cast<const volatile uint64_t*>(ctx.abort_word) != 0) {
+      refuse(ctx, phase);
+      return true;
+    }
+    if (now_ns() > deadline) {
+      report(ctx, phase, kTimeout, peer, ctx.s.rank);
+      return true;
+    }
+    return false;
+  }
+};
+
+// 8-byte data words per lane whose loads a flagged copy has in flight together.
+constexpr int kFlaggedBatch = 16;
+
+// A warp stores `pairs` 8-byte data words as flagged pairs (tagged with `epoch`) into row_of(d) for d < dests
+// (null: none there; the same in every lane). Data word p is a[p] below a_pairs, else b[p - a_pairs] (a row's payload,
+// then its scales). Every load of a batch is in flight before its stores.
+template <typename RowOf>
+__device__ inline void warp_store_flagged(const uint2* a, int a_pairs, const uint2* b, int pairs, uint32_t epoch,
+                                          int dests, RowOf row_of, int lane) {
+  // 16-byte loads, two pairs each, where both parts allow (an R1 row's in one batch: its loads in flight together).
+  const bool quads = ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0 &&
+                     a_pairs % 2 == 0 && pairs % 2 == 0;
+  for (int base = 0; quads && base < pairs / 2; base += 32 * kFlaggedBatch) {
+    uint4 v[kFlaggedBatch];
+#pragma unroll
+    for (int u = 0; u < kFlaggedBatch; ++u) {
+      const int q = base + u * 32 + lane;
+      if (q < pairs / 2) v[u] = q < a_pairs / 2 ? reinterpret_cast<const uint4*>(a)[q]
+                                                : reinterpret_cast<const uint4*>(b)[q - a_pairs / 2];
+    }
+    for (int d = 0; d < dests; ++d) {
+      uint64_t* row = row_of(d);
+      if (row == nullptr) continue;
+#pragma unroll
+      for (int u = 0; u < kFlaggedBatch; ++u) {
+        const int q = base + u * 32 + lane;
+        if (q >= pairs / 2) continue;
+        store_flagged_pair(row + 4 * q, tagged(epoch, v[u].x), tagged(epoch, v[u].y));
+        store_flagged_pair(row + 4 * q + 2, tagged(epoch, v[u].z), tagged(epoch, v[u].w));
+      }
+    }
+  }
+  for (int base = 0; !quads && base < pairs; base += 32 * kFlaggedBatch) {
+    uint2 v[kFlaggedBatch];
+#pragma unroll
+    for (int u = 0; u < kFlaggedBatch; ++u) {
+      const int p = base + u * 32 + lane;
+      if (p < pairs) v[u] = p < a_pairs ? a[p] : b[p - a_pairs];
+    }
+    for (int d = 0; d < dests; ++d) {
+      uint64_t* row = row_of(d);
+      if (row == nullptr) continue;
+#pragma unroll
+      for (int u = 0; u < kFlaggedBatch; ++u) {
+        const int p = base + u * 32 + lane;
+        if (p < pairs) store_flagged_pair(row + 2 * p, tagged(epoch, v[u].x), tagged(epoch, v[u].y));
+      }
+    }
+  }
+}
+
+// A warp copies a flagged row of `pairs` data pairs at `src` into a[p] below a_pairs, else b[p - a_pairs], each pair
+// polled until it holds this epoch's data. False in every lane when a lane's wait gave up (the rest is not copied).
+__device__ inline bool warp_copy_flagged(const Context& ctx, uint2* a, int a_pairs, uint2* b, int pairs,
+                                         const uint64_t* src, uint32_t epoch, Phase phase, int peer, int lane) {
+  Patience patience;
+  bool ok = true;
+  for (int base = 0; base < pairs && __all_sync(0xffffffffu, ok); base += 32 * kFlaggedBatch) {
+    ulonglong2 w[kFlaggedBatch];
+#pragma unroll
+    for (int u = 0; u < kFlaggedBatch; ++u) {
+      const int p = base + u * 32 + lane;
+      if (p < pairs) w[u] = load_flagged_pair(src + 2 * p);
+    }
+#pragma unroll
+    for (int u = 0; u < kFlaggedBatch; ++u) {
+      const int p = base + u * 32 + lane;
+      if (p >= pairs || !ok) continue;
+      while (!pair_landed(w[u], epoch)) {
+        if (patience.gave_up(ctx, phase, peer)) {
+          ok = false;
+          break;
+        }
+        w[u] = load_flagged_pair(src + 2 * p);
+      }
+      const uint2 v = make_uint2(value_of(w[u].x), value_of(w[u].y));
+      if (!ok) continue;
+      if (p < a_pairs) a[p] = v; else b[p - a_pairs] = v;
+    }
+  }
+  return __all_sync(0xffffffffu, ok);
+}
+
 // Every thread of a block: waits (a thread per rank) until every rank's entry of `words` (a word per rank) is at
 // least `least`; true in every thread when all came, false when some wait gave up.
 __device__ inline bool wait_for_every_rank(const Context& ctx, const uint64_t* words, uint64_t least, Phase phase) {
@@ -425,11 +543,19 @@ __device__ inline void signal_every_rank(const Context& ctx, uint64_t* words, ui
 // error, the host words' `done` becomes this epoch, and the next round trip gets the next epoch.
 // Returns true in that block. A status with kFatalCodes or kRefused means some block did not do its work: the caller
 // then sends no completion signal (peers give up on this rank's abort word instead of reading partial data).
+// close_phase is its work in that block, for a kernel whose last block ends two phases after one count (the
+// low-latency kernels: their send's end, then their receive's).
+__device__ inline void close_phase(const Context& ctx, Phase phase, int32_t* out, bool advance, int32_t* code);
 __device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* out, bool advance = true,
                                     int32_t* code = nullptr) {
   if (!last_block_done(ctx.local->blocks_done + phase)) return false;
+  close_phase(ctx, phase, out, advance, code);
+  return true;
+}
+__device__ inline void close_phase(const Context& ctx, Phase phase, int32_t* out, bool advance, int32_t* code) {
   mark(ctx, phase, kAllDone, true);
   __shared__ int32_t words[kStatusWords];
+  __syncthreads();  // a close_phase just before in this block has read `words`
   volatile int32_t* scratch = phase_status(ctx, phase);
   const bool failed = threadIdx.x == 0 && failed_for_good(ctx);  // its loads in flight with the scratch's
   if (threadIdx.x < kStatusWords) {
@@ -452,7 +578,6 @@ __device__ inline bool finish_phase(const Context& ctx, Phase phase, int32_t* ou
     local->refusing = failed || failed_for_good(ctx);
   }
   if (code != nullptr) *code = words[kCode];
-  return true;
 }
 
 

@@ -36,7 +36,35 @@ struct FromX {
     return static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes;
   }
   __device__ const void* scales(int, int t) const { return a.scales + static_cast<size_t>(t) * s.scale_cols; }
+  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int lane) const {
+    warp_copy_pair(payload_to, payload(g, t), s.payload_bytes, scales_to, scales(g, t), 4 * s.scale_cols, lane);
+  }
 };
+
+// The low-latency order (Context::flagged: few tokens per rank, NVLink): the send stores the count, ids and rows in
+// flagged words and never waits; the receive waits for every source's count, lands every arrival's ids, makes the
+// layout as receive_tokens does and copies the rows as their words land. No fence, block count or signal between the
+// halves, so a peer's rows are copied as soon as they arrive. The same layout and rows as the other orders, bit for
+// bit (the stages after the ids are theirs).
+__global__ void dispatch_flagged_kernel(Context ctx, DispatchSendArgs send, DispatchRecvArgs recv) {
+  if (!dispatch_send_flagged(ctx, send)) return skip_receive(ctx, recv);
+  mark(ctx, kDispatchRecv, kStart);
+  extern __shared__ int smem[];
+  Receive r = carve_receive(ctx.s, smem);
+  read_token_counts(ctx, r, -1);
+  land_flagged_ids(ctx, r);
+  mark(ctx, kDispatchRecv, kWaited);  // counts and ids landed
+  const Share sh = share_of(r.first[0], ctx.s.num_dp, 0, gridDim.x);
+  histogram_all(ctx, r, sh);
+  mark(ctx, kDispatchRecv, kStep1);  // histogram done
+  derive_layout(ctx, recv, r);
+  mark(ctx, kDispatchRecv, kStep2);  // layout derived
+  copy_share(ctx, recv, r, sh, FromFlagged{ctx});
+  mark(ctx, kDispatchRecv, kWorked);
+  // The send's end (its status, a routing error published to every rank) with the receive's, one count of blocks:
+  // off the copies' path. Its errors reach the peers before our sync flag, which the combine sets.
+  finish_receive(ctx, recv, r, send.status);
+}
 
 // The ids-first order (Context::ids_first: large T, one replica per DP group): the receive's layout needs only the
 // ids, and this rank's own rows need nothing from a peer, so the layout and the own rows are made while the rows
@@ -193,6 +221,10 @@ cudaError_t launch_dispatch(const Context& ctx, const DispatchSendArgs& send, co
     return launch_cooperative(send.quantize ? dispatch_windowed_kernel<true> : dispatch_windowed_kernel<false>, wanted,
                               ctx, send, recv, stream);
   }
+  // The low-latency order moves rows as they are in x (a quantizing send, or weights to store with the ids, take
+  // the order below: their rows and weights travel with a fence and a signal).
+  if (ctx.flagged && !send.quantize && send.topk_weights == nullptr)
+    return launch_cooperative(dispatch_flagged_kernel, wanted, ctx, send, recv, stream);
   // Quantizing sends take the send-first order: the ids-first order's receive reads this rank's own rows from x.
   if (ctx.ids_first && !send.quantize)
     return launch_cooperative(dispatch_ids_first_kernel, wanted, ctx, send, recv, stream);

@@ -289,14 +289,66 @@ struct FromSlots {
     return ctx.dispatch_slots + slot * ctx.s.token_stride;
   }
   __device__ const void* scales(int g, int t) const { return payload(g, t) + scales_offset(ctx.s); }
+  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int lane) const {
+    warp_copy_pair(payload_to, payload(g, t), ctx.s.payload_bytes, scales_to, scales(g, t), 4 * ctx.s.scale_cols,
+                   lane);
+  }
 };
+
+// The low-latency path's rows (Context::flagged): token t of DP group g from the flagged words of the slot it
+// arrived in, each polled until it holds this round trip's data.
+struct FromFlagged {
+  const Context& ctx;
+  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int lane) const {
+    const Sizes& s = ctx.s;
+    const Arrival src = arrival_of(s, g, t);
+    const uint64_t* row =
+        ctx.flagged_rows + (static_cast<size_t>(src.src) * s.slots_per_source + src.slot) * flagged_row_words(s);
+    warp_copy_flagged(ctx, reinterpret_cast<uint2*>(payload_to), s.payload_bytes / 8,
+                      reinterpret_cast<uint2*>(scales_to), flagged_row_words(s) / 2, row, current_epoch(ctx),
+                      kDispatchRecv, src.src, lane);
+  }
+};
+
+// 1b. The low-latency path (Context::flagged): every arrival's ids, polled from their flagged words into
+//     dispatch_ids, where the stages below read them. Every block lands all of them (the same values, so the
+//     blocks' stores never conflict), a thread per arrival, a row's words in flight together. A wait that gives up
+//     leaves the arrival's ids -1: no row is copied for it.
+__device__ inline void land_flagged_ids(const Context& ctx, const Receive& r) {
+  const Sizes& s = ctx.s;
+  const int K = s.experts_per_token, G = s.num_dp;
+  const uint32_t epoch = current_epoch(ctx);
+  const int* first = r.first[0];
+  Patience patience;
+  bool ok = true;
+  for (int i = threadIdx.x; i < first[G]; i += blockDim.x) {
+    const int g = group_of(first, i);
+    const Arrival at = arrival_of(s, g, i - first[g]);
+    const size_t row = (static_cast<size_t>(at.src) * s.slots_per_source + at.slot) * K;
+    const volatile uint64_t* words = ctx.flagged_ids + row;
+    for (int k0 = 0; k0 < K; k0 += kUnrolledSlots) {
+      uint64_t w[kUnrolledSlots];
+#pragma unroll
+      for (int u = 0; u < kUnrolledSlots; ++u) w[u] = k0 + u < K ? words[k0 + u] : 0;
+#pragma unroll
+      for (int u = 0; u < kUnrolledSlots; ++u) {
+        if (k0 + u >= K) continue;
+        while (ok && epoch_of(w[u]) != epoch) {
+          if (patience.gave_up(ctx, kDispatchRecv, at.src)) ok = false; else w[u] = words[k0 + u];
+        }
+        ctx.dispatch_ids[row + k0 + u] = ok ? static_cast<int32_t>(value_of(w[u])) : -1;
+      }
+    }
+  }
+  __syncthreads();
+}
 
 // 4. A share's rows, a batch of blockDim arrivals at a time. A token's row for local expert l lands at
 //    group_base[l, g] + the rows for l of the group's earlier tokens: those before the batch (`before`) and those
-//    of the batch (bit masks). A warp per (token, slot) copies the row from `from` (FromSlots, or this rank's own
-//    x). The thread that reads a token's ids for the bits also notes its slots here (local_slots) and their experts
-//    (slot_expert, slots below kUnrolledSlots), so a copy starts with its row's loads: reading the ids again put an
-//    L2 round trip before every copy, and one more before every slot with no copy here.
+//    of the batch (bit masks). A warp per (token, slot) copies the row from `from` (FromSlots, FromFlagged, or this
+//    rank's own x). The thread that reads a token's ids for the bits also notes its slots here (local_slots) and
+//    their experts (slot_expert, slots below kUnrolledSlots), so a copy starts with its row's loads: reading the ids
+//    again put an L2 round trip before every copy, and one more before every slot with no copy here.
 template <typename From>
 __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a, Receive& r, const Share& sh,
                                   const From& from) {
@@ -334,9 +386,8 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
         if (lane == 0) drop_slot(*ctx.on_device, g, t, k);
         continue;
       }
-      warp_copy_pair(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes, from.payload(g, t),
-                     s.payload_bytes, a.expert_scales + static_cast<size_t>(p) * s.scale_cols, from.scales(g, t),
-                     4 * s.scale_cols, lane);
+      from.copy(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes,
+                a.expert_scales + static_cast<size_t>(p) * s.scale_cols, g, t, lane);
       if (lane == 0) a.row_origin[p] = (g * s.max_tokens + t) * K + k;
     }
     __syncthreads();  // every warp has read `before` and the bits: the next batch counts on
@@ -353,8 +404,9 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
 }
 
 // 5. Rows holding no token: origin -1 (a thread per row); alignment padding inside the packed region is zeroed.
-//    Then the phase's end.
-__device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs& a, const Receive& r) {
+//    Then the phase's end; with `send_status` (the low-latency kernel) the send's end first, in the same last block.
+__device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs& a, const Receive& r,
+                                      int32_t* send_status = nullptr) {
   const Sizes& s = ctx.s;
   const int L = s.local_experts, packed_rows = r.expert_start[L];
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -372,7 +424,14 @@ __device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs
     }
   }
   mark(ctx, kDispatchRecv, kClosed);
-  if (finish_phase(ctx, kDispatchRecv, a.status)) mark(ctx, kDispatchRecv, kEnd, true);
+  if (send_status == nullptr) {
+    if (finish_phase(ctx, kDispatchRecv, a.status)) mark(ctx, kDispatchRecv, kEnd, true);
+  } else if (last_block_done(ctx.local->blocks_done + kDispatchRecv)) {
+    close_phase(ctx, kDispatchSend, send_status, false, nullptr);
+    mark(ctx, kDispatchSend, kEnd, true);
+    close_phase(ctx, kDispatchRecv, a.status, true, nullptr);
+    mark(ctx, kDispatchRecv, kEnd, true);
+  }
 }
 
 // The phase after its protocol-order check (dispatch_recv.cu), or right after the send in the fused dispatch

@@ -224,6 +224,45 @@ __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendA
 }
 
 
+// The low-latency send (Context::flagged; the fused dispatch, dispatch.cu): our token count into our ready word on
+// every rank, then a warp per token: its ids to every rank and its row (payload, scales) to every rank that hosts one
+// of its live experts, in flagged words (each carries the epoch, and receivers poll the words themselves), so nothing
+// is fenced, counted or signalled after them. Slot i holds the replica's token replica + i * dp_size, as in
+// dispatch_send_p2p. False when the phase did not run (out of protocol order).
+__device__ inline bool dispatch_send_flagged(const Context& ctx, const DispatchSendArgs& a) {
+  int my_tokens;
+  if (!begin_send(ctx, a, &my_tokens)) return false;
+  const Sizes& s = ctx.s;
+  const uint32_t epoch = current_epoch(ctx);
+  if (blockIdx.x == 0)
+    for (int d = threadIdx.x; d < s.world; d += blockDim.x)
+      signal_peer(ctx, ctx.dispatch_ready + s.rank, tagged(epoch, static_cast<uint32_t>(my_tokens)), d);
+  const int K = s.experts_per_token, replica = s.rank % s.dp_size, lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int payload_pairs = s.payload_bytes / 8, pairs = flagged_row_words(s) / 2;
+  for (int i = gwarp; i < my_tokens; i += nwarps) {
+    const int t = replica + i * s.dp_size;
+    const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
+    const int dest_of_lane = lane_dest(s, ids, lane);
+    const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
+    if (lane < K) {
+      const uint64_t id = tagged(epoch, static_cast<uint32_t>(ids[lane]));
+      for (int d = 0; d < s.world; ++d)
+        *reinterpret_cast<volatile uint64_t*>(peer_ptr(ctx, ctx.flagged_ids + slot * K + lane, d)) = id;
+    }
+    mark(ctx, kDispatchSend, kStep2);  // the ids stored (block 0's last token)
+    const auto* x = reinterpret_cast<const uint2*>(static_cast<const char*>(a.x) + static_cast<size_t>(t) *
+                                                   s.payload_bytes);
+    const auto* scales = reinterpret_cast<const uint2*>(a.scales + static_cast<size_t>(t) * s.scale_cols);
+    uint64_t* row = ctx.flagged_rows + slot * flagged_row_words(s);  // this rank's copy; rank d's is peer_ptr
+    warp_store_flagged(x, payload_pairs, scales, pairs, epoch, s.world, [&](int d) {
+      return __any_sync(0xffffffffu, dest_of_lane == d) ? peer_ptr(ctx, row, d) : nullptr;
+    }, lane);
+  }
+  mark(ctx, kDispatchSend, kWorked);
+  return true;
+}
+
 // The ids-first and windowed orders of the fused dispatch (dispatch.cu): every ids row of this replica (and its
 // weights, if given) to every rank first, a thread per id. Slot i holds the replica's token replica + i * dp_size
 // (AnyReplica, the windowed order), or token i (one replica per DP group, the ids-first order: its index arithmetic

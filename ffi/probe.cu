@@ -61,39 +61,27 @@ __global__ void probe_kernel(Context ctx, const int4* x, int4* out, long long wo
 }
 
 // The floor with flagged words (`flagged`): what a low-latency protocol would pay instead of the fence, the
-// last-block count, the signal and its wait. Each 8-byte word carries 4 bytes of x and this call's epoch, stored
-// as one element of a 16-byte vector store (each element of a vector access is single-copy atomic on its own), so
-// the receiver polls the words themselves: a word whose flag has reached the epoch holds its data. Twice the bytes
-// on the link. It lands in the combine slots (K times the partial rows' room). A flag past the epoch is the next
-// call's word (the probe does not wait before reusing the peer's region, as above): taken too, as landed.
-__device__ inline uint64_t flagged(uint32_t data, uint32_t epoch) {
-  return static_cast<uint64_t>(epoch) << 32 | data;
-}
-__device__ inline void store_pair(ulonglong2* p, uint64_t a, uint64_t b) {
-  asm volatile("st.volatile.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
-}
-__device__ inline ulonglong2 load_pair(const ulonglong2* p) {
-  ulonglong2 w;
-  asm volatile("ld.volatile.v2.u64 {%0, %1}, [%2];" : "=l"(w.x), "=l"(w.y) : "l"(p) : "memory");
-  return w;
-}
-
+// last-block count, the signal and its wait. Each 8-byte word carries 4 bytes of x and this call's epoch
+// (store_flagged_pair), so the receiver polls the words themselves: a word whose flag has reached the epoch holds
+// its data. Twice the bytes on the link. It lands in the combine slots (K times the partial rows' room). A flag past
+// the epoch is the next call's word (the probe does not wait before reusing the peer's region, as above): taken
+// too, as landed.
 __global__ void probe_flagged_kernel(Context ctx, const uint2* x, uint2* out, long long pairs, int32_t* status) {
   const Sizes& s = ctx.s;
   if (blockIdx.x == 0 && threadIdx.x < kStatusWords) status[threadIdx.x] = 0;
   const int next = (s.rank + 1) % s.world, prev = (s.rank + s.world - 1) % s.world;
   const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(&ctx.local->probe_epoch) + 1;
-  auto* landing = reinterpret_cast<ulonglong2*>(ctx.combine_slots);  // one source: the previous rank
-  ulonglong2* to = peer_ptr(ctx, landing, next);
+  auto* landing = reinterpret_cast<uint64_t*>(ctx.combine_slots);  // one source: the previous rank
+  uint64_t* to = peer_ptr(ctx, landing, next);
   const long long first = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long i = first; i < pairs; i += stride) {
     const uint2 v = x[i];
-    store_pair(to + i, flagged(v.x, epoch), flagged(v.y, epoch));
+    store_flagged_pair(to + 2 * i, tagged(epoch, v.x), tagged(epoch, v.y));
   }
   const uint64_t deadline = now_ns() + s.timeout_ns;
   for (long long i = first; i < pairs; i += stride) {
-    ulonglong2 w = load_pair(landing + i);
+    ulonglong2 w = load_flagged_pair(landing + 2 * i);
     while ((w.x >> 32) < epoch || (w.y >> 32) < epoch) {
       if (now_ns() > deadline) {
         if (atomicCAS(reinterpret_cast<int*>(status), 0, kTimeout) == 0) {
@@ -103,7 +91,7 @@ __global__ void probe_flagged_kernel(Context ctx, const uint2* x, uint2* out, lo
         }
         break;
       }
-      w = load_pair(landing + i);
+      w = load_flagged_pair(landing + 2 * i);
     }
     out[i] = make_uint2(static_cast<uint32_t>(w.x), static_cast<uint32_t>(w.y));
   }

@@ -109,6 +109,19 @@ void choose_dispatch_order(Context* ctx, int ids_first_min_tokens) {
   }
 }
 
+// The low-latency path (Context::flagged) where the layout holds its buffers (a low-latency MoEComm's), large enough
+// for this context's sizes, on NVLink, unwindowed, with rows of whole flagged pairs and combine chunks of 8 columns
+// (jax_moe_comm decides the same before it sizes the layout).
+bool takes_flagged_path(const Context& ctx, const Layout& layout) {
+  const Sizes& s = ctx.s;
+  const size_t slots = static_cast<size_t>(s.world) * s.slots_per_source;
+  return ctx.p2p && !windowed(s) && s.payload_bytes % 8 == 0 && s.scale_cols % 2 == 0 && s.hidden % 8 == 0 &&
+         region_bytes(layout, "flagged_rows") >= slots * flagged_row_words(s) * 8 &&
+         region_bytes(layout, "flagged_ids") >= slots * s.experts_per_token * 8 &&
+         region_bytes(layout, "flagged_combine") >=
+             static_cast<size_t>(s.max_tokens) * s.experts_per_token * flagged_combine_words(s) * 8;
+}
+
 // The context's copy in device memory (Context::on_device), for the kernels' failure paths.
 std::string copy_to_device(Context* ctx) {
   Context* on_device = nullptr;
@@ -211,6 +224,9 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
   ctx->fatal_failures = region<int32_t>(base, layout, "fatal_failures", &missing);
   ctx->abort_word = region<uint64_t>(base, layout, "abort_word", &missing);
   ctx->row_of = region<int32_t>(base, layout, "row_of", &missing);
+  ctx->flagged_rows = optional_region<uint64_t>(base, layout, "flagged_rows");
+  ctx->flagged_ids = optional_region<uint64_t>(base, layout, "flagged_ids");
+  ctx->flagged_combine = optional_region<uint64_t>(base, layout, "flagged_combine");
   void* host = nullptr;
   const size_t map_bytes = pe_of_rank.size() * sizeof(int32_t);
   const bool ok = missing.empty() && cudaMalloc(&ctx->local, sizeof(LocalWords)) == cudaSuccess &&
@@ -237,6 +253,7 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
     destroy_context(ctx, /*collective=*/false);
     return nullptr;
   }
+  ctx->flagged = takes_flagged_path(*ctx, layout);
   choose_dispatch_order(ctx, ids_first_min_tokens);
 #ifdef JMC_MEASUREMENT
   if (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
@@ -286,6 +303,7 @@ Context* share_context(Context* owner, const Sizes& sizes, const Layout& layout,
 #ifdef JMC_MEASUREMENT
   ctx->marks = nullptr;  // the owner's stamps only
 #endif
+  ctx->flagged = owner->flagged && takes_flagged_path(*ctx, layout);
   choose_dispatch_order(ctx, ids_first_min_tokens);
   *error = copy_to_device(ctx);
   if (!error->empty()) {
