@@ -136,6 +136,15 @@ class MoEComm:
         ``dispatch`` sends every ids row before any row, so the receive's layout and this rank's own rows are made
         while the rows to peers are on the link. Default 1024, chosen by measurement (benchmarks/NOTES.md): below it
         the extra grid barrier costs more than it hides. The same results bit for bit.
+      low_latency_max_tokens: up to this ``max_tokens`` (every peer on NVLink, unwindowed, ``hidden`` a multiple of
+        8 and an even number of scale blocks), the fused ``dispatch`` and ``combine`` take the low-latency path: the
+        token counts, ids and rows travel in 8-byte words that each carry 4 data bytes and the round trip's epoch,
+        so a receiver polls the data itself and no fence, block count or signal stands between a row and its
+        reader (twice the bytes on the link; buffers of their own, ``symmetric_bytes`` counts them). Its combine
+        sends rows per slot (``combine_weights_at`` is "recv"). A dispatch that quantizes bf16 rows or is given the
+        weights takes the other path. Default 0 (never), chosen by measurement (benchmarks/NOTES.md): on one H200
+        the path is 8-9 µs slower per round trip at 1-32 tokens (its rows are twice the bytes, copied by one warp
+        each). The same layout and results bit for bit.
       staged: send through symmetric staging buffers and put-with-signal even where NVLink stores reach every peer
         (the path to peers off NVLink; True tests it on one node). The same results bit for bit.
       max_symmetric_bytes: a bound on ``symmetric_bytes`` (per GPU). None (default): no bound, every row of a round
@@ -169,7 +178,8 @@ class MoEComm:
                  backend: str = "auto", *, batch_axes: str | tuple[str, ...] | None = None,
                  custom_vjp: bool | None = None, grad_dtype: Any = None, check_errors: bool | str = True,
                  timeout_s: float = 30.0, prereduce_min_tokens: int = 64, ids_first_min_tokens: int = 1024,
-                 staged: bool = False, max_symmetric_bytes: int | None = None) -> None:
+                 low_latency_max_tokens: int = 0, staged: bool = False,
+                 max_symmetric_bytes: int | None = None) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if not isinstance(mesh, Mesh):
@@ -180,7 +190,8 @@ class MoEComm:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         options = Options(check_errors=check_errors, timeout_s=timeout_s, prereduce_min_tokens=prereduce_min_tokens,
-                          ids_first_min_tokens=ids_first_min_tokens, staged=staged,
+                          ids_first_min_tokens=ids_first_min_tokens, low_latency_max_tokens=low_latency_max_tokens,
+                          staged=staged,
                           max_symmetric_bytes=max_symmetric_bytes)
         self.cfg = cfg
         self.mesh = mesh
@@ -198,7 +209,6 @@ class MoEComm:
             if np.dtype(grad_dtype) not in COMBINE_DTYPES:
                 raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {np.dtype(grad_dtype).name}")
         self.grad_dtype = None if grad_dtype is None else np.dtype(grad_dtype)
-        self.combine_weights_at = "send" if cfg.max_tokens >= options.prereduce_min_tokens else "recv"
         # An fp8 layer's backward round trips (see autodiff.py) carry grad_dtype rows on the same buffers, each
         # buffer sized for the larger of the two configs; they run in turn with the forward's (data orders them).
         grad_geo = None if grad_dtype is None else Geometry(cfg.gradient_config(self.world, grad_dtype), self.world,
@@ -206,7 +216,13 @@ class MoEComm:
         self._shared_with = () if grad_geo is None else (grad_geo.cfg,)
         # The window of a job on NVLink (the reference backend has no heap, but refuses the same bounds).
         self._window_slots = nvshmem_backend.window_slots_for(cfg, self.world, options.max_symmetric_bytes,
-                                                              options.staged, self._shared_with)
+                                                              options.staged, self._shared_with, None,
+                                                              options.low_latency_max_tokens)
+        # The low-latency path's combine is per slot: the weights go to combine_recv there.
+        low_latency = nvshmem_backend.takes_flagged_path(cfg, options.low_latency_max_tokens, options.staged,
+                                                         self._window_slots)
+        prereduce = cfg.max_tokens >= options.prereduce_min_tokens and not low_latency
+        self.combine_weights_at = "send" if prereduce else "recv"
         if self.backend == "nvshmem":
             impl, plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh, self._shared_with)
             grad_plan = None if grad_geo is None else nvshmem_backend.share_plan(plan, grad_geo)
@@ -279,7 +295,8 @@ class MoEComm:
             return nvshmem_backend.plan_bytes(self._phases.plan)
         return nvshmem_backend.symmetric_bytes(self.cfg, self.world, staging=self.options.staged,
                                                shared_with=self._shared_with,
-                                               max_bytes=self.options.max_symmetric_bytes)
+                                               max_bytes=self.options.max_symmetric_bytes,
+                                               low_latency_max_tokens=self.options.low_latency_max_tokens)
 
     @property
     def window_tokens(self) -> int | None:

@@ -199,6 +199,7 @@ class Options:
     timeout_s: float = 30.0
     prereduce_min_tokens: int = 64
     ids_first_min_tokens: int = 1024
+    low_latency_max_tokens: int = 0
     staged: bool = False
     max_symmetric_bytes: int | None = None
 
@@ -209,7 +210,7 @@ class Options:
         if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not 0 < t <= 86400:
             raise ValueError(f"timeout_s must be a number of seconds in (0, 86400], got {t!r}")
         object.__setattr__(self, "timeout_s", float(t))
-        for name in ("prereduce_min_tokens", "ids_first_min_tokens"):
+        for name in ("prereduce_min_tokens", "ids_first_min_tokens", "low_latency_max_tokens"):
             object.__setattr__(self, name, _threshold(name, getattr(self, name)))
         if not isinstance(self.staged, bool):
             raise ValueError(f"staged must be a bool, got {self.staged!r}")

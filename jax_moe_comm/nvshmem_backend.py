@@ -80,9 +80,20 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
     )
 
 
+def takes_flagged_path(cfg: MoECommConfig, low_latency_max_tokens: int, staging: bool,
+                       window_slots: int | None) -> bool:
+    """Whether a MoEComm's fused calls take the low-latency path (``Context::flagged``: words that carry their own
+    epoch, no fence, count or signal between a row and its reader): up to ``low_latency_max_tokens`` tokens per rank,
+    every peer on NVLink (no staging), unwindowed, rows of whole 8-byte pairs and combine chunks of 8 columns. The
+    extension decides the same from the layout, which holds the path's buffers only then."""
+    return (not staging and window_slots is None and cfg.max_tokens <= low_latency_max_tokens
+            and cfg.hidden % 8 == 0 and cfg.scale_cols % 2 == 0)
+
+
 def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bool,
-                  window_slots: int | None) -> list[tuple[str, int]]:
-    """(name, bytes) of every buffer one config needs, in allocation order (ffi/context.h says what each holds)."""
+                  window_slots: int | None, flagged: bool = False) -> list[tuple[str, int]]:
+    """(name, bytes) of every buffer one config needs, in allocation order (ffi/context.h says what each holds).
+    ``flagged``: with the low-latency path's buffers (takes_flagged_path)."""
     s = kernel_sizes(cfg, world, 0, window_slots=window_slots)
     slots, T, K = world * s["slots_per_source"], s["max_tokens"], s["experts_per_token"]
     # The rows of a round: every source's window of slots, and the tokens they hold (all of them, unwindowed).
@@ -111,22 +122,27 @@ def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bo
         ("fatal_failures", world * status),
         ("abort_word", 8),
         ("row_of", s["num_dp"] * T * K * 4),  # local: the pre-reduced combine_send's inverse of row_origin
+        # The low-latency path: rows, ids and combine rows in 8-byte words of 4 data bytes and the epoch.
+        *([("flagged_rows", slots * 2 * (s["payload_bytes"] + 4 * s["scale_cols"])),
+           ("flagged_ids", slots * K * 8),
+           ("flagged_combine", T * K * 2 * s["combine_stride"])] if flagged else []),
     ]
 
 
 def symmetric_layout(cfg: MoECommConfig, world: int, measurement: bool = False, staging: bool = False,
-                     shared_with: tuple[MoECommConfig, ...] = (),
-                     window_slots: int | None = None) -> dict[str, tuple[int, int]]:
+                     shared_with: tuple[MoECommConfig, ...] = (), window_slots: int | None = None,
+                     flagged: bool = False) -> dict[str, tuple[int, int]]:
     """The symmetric allocation of one MoEComm on each rank: buffer name -> (offset, bytes), each 16-byte aligned.
     The only definition: the extension carves its buffers by these names (ffi/context.h says what each holds).
     ``measurement``: with the measurement build's probe word. ``staging``: with the staging buffers of the path to
     peers off NVLink (``staged=True``, or a job whose peers are not all reachable by NVLink stores); a job whose
     peers all are never touches them, and they are the largest buffer of a worst-case capacity. ``shared_with``:
     configs whose round trips run in turn on the same buffers (an fp8 layer's backward in its gradient dtype): each
-    buffer holds the largest of them. ``window_slots``: the rows of a round (window_slots_for); None: all."""
+    buffer holds the largest of them. ``window_slots``: the rows of a round (window_slots_for); None: all.
+    ``flagged``: with the low-latency path's buffers (takes_flagged_path)."""
     sizes: dict[str, int] = {}
     for c in (cfg, *shared_with):
-        for name, size in _buffer_sizes(c, world, measurement, staging, window_slots):
+        for name, size in _buffer_sizes(c, world, measurement, staging, window_slots, flagged):
             sizes[name] = max(sizes.get(name, 0), size)
     layout, offset = {}, 0
     for name, size in sizes.items():
@@ -140,17 +156,24 @@ def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
 
 
 def window_slots_for(cfg: MoECommConfig, world: int, max_bytes: int | None, staging: bool = False,
-                     shared_with: tuple[MoECommConfig, ...] = (), measurement: bool | None = None) -> int | None:
+                     shared_with: tuple[MoECommConfig, ...] = (), measurement: bool | None = None,
+                     low_latency_max_tokens: int = Options.low_latency_max_tokens) -> int | None:
     """The slots per source of one round of a windowed round trip: None (no window) when the heap of every slot fits
     ``max_bytes`` (or there is no bound), else the fewest rounds whose window fits, the slots split evenly among them.
     Rows then travel in rounds of that many slots per source (``window_slots * dp_size`` tokens of each DP group),
     through buffers of one round. ValueError when not even one slot per source fits, or when a window would be needed
-    on the staged path (peers off NVLink, or ``staged=True``), which has none."""
+    on the staged path (peers off NVLink, or ``staged=True``), which has none. The unwindowed heap holds the
+    low-latency path's buffers where that path is taken (``low_latency_max_tokens``, takes_flagged_path)."""
     if max_bytes is None:
         return None
     measurement = _native.measurement_build() if measurement is None else measurement
-    heap = lambda w: _layout_bytes(symmetric_layout(cfg, world, measurement, staging, shared_with, w))  # noqa: E731
     slots = kernel_sizes(cfg, world, 0)["slots_per_source"]
+
+    def heap(w: int) -> int:
+        flagged = w == slots and takes_flagged_path(cfg, low_latency_max_tokens, staging, None)
+        return _layout_bytes(symmetric_layout(cfg, world, measurement, staging, shared_with,
+                                              None if w == slots else w, flagged))
+
     if heap(slots) <= max_bytes:
         return None
     if staging:
@@ -168,11 +191,15 @@ def window_slots_for(cfg: MoECommConfig, world: int, max_bytes: int | None, stag
 
 
 def symmetric_bytes(cfg: MoECommConfig, world: int, staging: bool = False,
-                    shared_with: tuple[MoECommConfig, ...] = (), max_bytes: int | None = None) -> int:
+                    shared_with: tuple[MoECommConfig, ...] = (), max_bytes: int | None = None,
+                    low_latency_max_tokens: int = Options.low_latency_max_tokens) -> int:
     """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (``staging``, ``shared_with``: see
-    symmetric_layout; ``max_bytes``: MoEComm's max_symmetric_bytes, see window_slots_for)."""
-    window = window_slots_for(cfg, world, max_bytes, staging, shared_with)
-    return _layout_bytes(symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window))
+    symmetric_layout; ``max_bytes``: MoEComm's max_symmetric_bytes, see window_slots_for;
+    ``low_latency_max_tokens``: MoEComm's, see takes_flagged_path)."""
+    window = window_slots_for(cfg, world, max_bytes, staging, shared_with, None, low_latency_max_tokens)
+    flagged = takes_flagged_path(cfg, low_latency_max_tokens, staging, window)
+    return _layout_bytes(symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window,
+                                          flagged))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +215,8 @@ class Plan:
     # named by its context.
     layout: dict[str, tuple[int, int]] = dataclasses.field(compare=False)
     window_slots: int | None = dataclasses.field(compare=False)
+    # The fused calls take the low-latency path (takes_flagged_path): no weights travel with its dispatch.
+    flagged: bool = dataclasses.field(default=False, compare=False)
     owner: Plan | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -236,7 +265,8 @@ def create_plan(geo: Geometry, mesh, shared_with: tuple[MoECommConfig, ...] = ()
                          f"{max(pes, key=pes.count)}")
     _register_targets()
     ctx, layout, window = create_context(cfg, geo.world, rank, geo.options, pes, shared_with)
-    return Plan(geo, ctx, bool(_native.ext.context_p2p(ctx)), rank, layout, window)
+    ext = _native.ext
+    return Plan(geo, ctx, bool(ext.context_p2p(ctx)), rank, layout, window, bool(ext.context_flagged(ctx)))
 
 
 def share_plan(owner: Plan, geo: Geometry) -> Plan:
@@ -247,7 +277,8 @@ def share_plan(owner: Plan, geo: Geometry) -> Plan:
     sizes = kernel_sizes(geo.cfg, geo.world, owner.rank, _native.ext.sm_count(), geo.options.timeout_s,
                          owner.window_slots)
     ctx = _native.ext.share_context(owner.ctx, sizes, owner.layout, geo.options.ids_first_min_tokens)
-    return Plan(geo, ctx, owner.p2p, owner.rank, owner.layout, owner.window_slots, owner)
+    return Plan(geo, ctx, owner.p2p, owner.rank, owner.layout, owner.window_slots,
+                bool(_native.ext.context_flagged(ctx)), owner)
 
 
 def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, pe_of_rank: list[int] | None = None,
@@ -258,9 +289,11 @@ def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, 
     of the job needs them (an allocation has one size on every process)."""
     pes = list(range(world)) if pe_of_rank is None else list(pe_of_rank)
     staging = options.staged or not _native.ext.job_on_nvlink(pes)
-    window = window_slots_for(cfg, world, options.max_symmetric_bytes, staging, shared_with)
+    window = window_slots_for(cfg, world, options.max_symmetric_bytes, staging, shared_with, None,
+                              options.low_latency_max_tokens)
     sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s, window)
-    layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window)
+    flagged = takes_flagged_path(cfg, options.low_latency_max_tokens, staging, window)
+    layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window, flagged)
     ctx = _native.ext.create_context(sizes, layout, pes, staged=options.staged,
                                      ids_first_min_tokens=options.ids_first_min_tokens)
     return ctx, layout, window
@@ -367,8 +400,9 @@ def _after_arg(plan: Plan, x: Array, after: Array | None) -> Array:
 
 def _sent_weights_arg(plan: Plan, topk_weights: Array | None) -> Array:
     """The weights the dispatch kernels store with the ids rows: only on the NVLink path (the staged path leaves
-    them to the pre-reduced combine_send's own exchange)."""
-    if topk_weights is None or not plan.p2p:
+    them to the pre-reduced combine_send's own exchange), and not on the low-latency path (its combine is per slot:
+    it reads the weights at home)."""
+    if topk_weights is None or not plan.p2p or plan.flagged:
         return jnp.zeros((0,), jnp.float32)
     return topk_weights.astype(jnp.float32)
 
@@ -377,7 +411,7 @@ def _weights_of(plan: Plan, handle: CombineHandle, topk_weights: Array | None) -
     """(the weights a combine uses, whether its dispatch stored them on every rank): None with weights in the handle
     means the handle's, given to dispatch."""
     if topk_weights is None and handle.topk_weights is not None:
-        return handle.topk_weights, plan.p2p
+        return handle.topk_weights, plan.p2p and not plan.flagged
     return topk_weights, False
 
 

@@ -328,6 +328,10 @@ def test_global_view_num_tokens_must_be_one_count_per_rank(comm):
                               num_tokens=jnp.zeros((WORLD, 2), jnp.int32))
 
 
+def _layout_end(layout):
+    return max(offset + size for offset, size in layout.values())
+
+
 # The symmetric layout is computed in Python alone (also where the extension is absent, for sizing the heap); the
 # extension carves its buffers by these names.
 @pytest.mark.parametrize("fields", [
@@ -346,7 +350,7 @@ def test_the_symmetric_layout_tiles_its_bytes_with_aligned_buffers(fields):
         for name, (offset, size) in layout.items():
             assert offset == end and offset % 16 == 0 and size % 16 == 0 and size > 0, (name, offset, size)
             end = offset + size
-        assert nvshmem_backend.symmetric_bytes(cfg, world) == end
+        assert nvshmem_backend.symmetric_bytes(cfg, world, low_latency_max_tokens=0) == end
         sizes = nvshmem_backend.kernel_sizes(cfg, world, rank=0)
         assert layout["dispatch_slots"][1] >= world * sizes["slots_per_source"] * sizes["token_stride"]
         assert layout["round_failures"][1] == 2 * world * errors.STATUS_WORDS * 4
@@ -360,3 +364,15 @@ def test_the_symmetric_layout_tiles_its_bytes_with_aligned_buffers(fields):
         assert staged["combine_staging"][1] >= sizes["capacity"] * stride
         assert nvshmem_backend.symmetric_bytes(cfg, world, staging=True) == end + sum(
             staged[name][1] for name in ("dispatch_staging", "combine_staging"))
+        # The low-latency path's buffers only where its fused calls take it (few tokens, rows of whole 8-byte
+        # pairs, NVLink): words of 4 data bytes and the epoch, twice the rows' bytes.
+        flagged = nvshmem_backend.symmetric_layout(cfg, world, flagged=True)
+        assert flagged["flagged_rows"][1] >= 2 * world * sizes["slots_per_source"] * (
+            sizes["payload_bytes"] + 4 * sizes["scale_cols"])
+        assert flagged["flagged_combine"][1] == 2 * cfg.max_tokens * cfg.experts_per_token * stride
+        takes = cfg.max_tokens <= 32 and cfg.hidden % 8 == 0
+        assert nvshmem_backend.takes_flagged_path(cfg, 32, False, None) is takes
+        assert not nvshmem_backend.takes_flagged_path(cfg, 32, True, None)
+        assert nvshmem_backend.symmetric_bytes(cfg, world, low_latency_max_tokens=32) == _layout_end(
+            flagged if takes else layout)
+        assert "flagged_rows" not in staged

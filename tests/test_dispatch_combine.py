@@ -388,7 +388,24 @@ def test_fused_combine_sends_the_weights_from_the_prereduce_threshold(threshold,
     assert got == weights_at
 
 
-@pytest.mark.parametrize("name", ["prereduce_min_tokens", "ids_first_min_tokens"])
+def test_the_low_latency_path_takes_the_weights_at_combine_recv():
+    """The low-latency path's combine is per slot: from low_latency_max_tokens down, the weights go to combine_recv
+    even above prereduce_min_tokens; where the path is not taken (staged, rows not of whole 8-byte pairs) the
+    prereduce threshold decides as before."""
+    def at(max_tokens, hidden=16, **options):
+        cfg = MoECommConfig(8, 2, hidden, max_tokens)
+        return MoEComm(cfg, ep_mesh(2), backend="reference", **options).combine_weights_at
+
+    assert MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference").options.low_latency_max_tokens == 0
+    assert at(128, low_latency_max_tokens=128) == "recv"
+    assert at(129, low_latency_max_tokens=128) == "send"
+    assert at(128, low_latency_max_tokens=128, staged=True) == "send"
+    assert at(128, hidden=12, low_latency_max_tokens=128) == "send"
+    assert "low_latency_max_tokens=128" in repr(MoEComm(MoECommConfig(8, 2, 16, 4), ep_mesh(2), backend="reference",
+                                                         low_latency_max_tokens=128))
+
+
+@pytest.mark.parametrize("name", ["prereduce_min_tokens", "ids_first_min_tokens", "low_latency_max_tokens"])
 @pytest.mark.parametrize("value", ["many", -1, 2.5, True])
 def test_thresholds_must_be_non_negative_ints(name, value):
     with pytest.raises(ValueError, match=f"{name} must be a non-negative int \\(tokens per rank\\), got "):

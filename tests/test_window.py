@@ -150,3 +150,46 @@ def test_the_split_halves_of_a_windowed_plan_run_the_fused_calls(window_slots, w
     ids = jnp.zeros((world * cfg.max_tokens, cfg.experts_per_token), jnp.int32)
     w = jnp.zeros((world * cfg.max_tokens, cfg.experts_per_token), jnp.float32)
     assert kernel_targets(mapped, x, ids, w) == calls
+
+
+def kernel_calls(fn, *args) -> list:
+    """The kernel calls of fn's program (target, operand shapes, attributes), in program order (traced only)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "jmc_kernel_call":
+                found.append((eqn.params["target"], [v.aval.shape for v in eqn.invars], dict(eqn.params["attributes"])))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("flagged", [False, True])
+def test_a_low_latency_plan_sends_no_weights_with_its_dispatch(flagged):
+    """The low-latency path's combine reads the weights at home (rows per slot): weights given to dispatch stay out
+    of its call (they would make the kernel take the other path) and the combine is told none were sent."""
+    from jax.sharding import PartitionSpec as P
+
+    from jax_moe_comm.config import Geometry, Options
+
+    cfg, world = MoECommConfig(8, 2, 64, 16, dtype=jnp.bfloat16), 2
+    geo = Geometry(cfg, world, ("ep",), Options(check_errors=False))
+    plan = nb.Plan(geo, ctx=1, p2p=True, rank=0, layout={}, window_slots=None, flagged=flagged)
+
+    def round_trip(x, ids, w):
+        d = nb.dispatch(plan, x, ids, None, jnp.int32(cfg.max_tokens), topk_weights=w)
+        return nb.combine(plan, d.expert_x, d.handle, None, "recv")
+
+    mapped = jax.shard_map(round_trip, mesh=ep_mesh(world), in_specs=P("ep"), out_specs=P("ep"))
+    x = jnp.zeros((world * cfg.max_tokens, cfg.hidden), jnp.bfloat16)
+    ids = jnp.zeros((world * cfg.max_tokens, cfg.experts_per_token), jnp.int32)
+    w = jnp.zeros((world * cfg.max_tokens, cfg.experts_per_token), jnp.float32)
+    (dispatch, dispatch_shapes, _), (combine, _, combine_attrs) = kernel_calls(mapped, x, ids, w)
+    assert (dispatch, combine) == ("jmc_dispatch", "jmc_combine")
+    sent_weights = dispatch_shapes[4]  # x, scales, ids, num_tokens, weights, after
+    assert sent_weights == ((0,) if flagged else (cfg.max_tokens, cfg.experts_per_token))
+    assert int(combine_attrs["weights_sent"]) == (0 if flagged else 1)
+    assert int(combine_attrs["reduced"]) == 0
