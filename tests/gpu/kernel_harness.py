@@ -43,7 +43,8 @@ from jax_moe_comm.nvshmem_backend import create_context as create_backend_contex
 from jax_moe_comm.nvshmem_backend import kernel_sizes, row_type  # noqa: E402
 
 C = jmc.MoECommConfig
-IDS_FIRST = {"ids_first_min_tokens": 1}  # MoEComm options
+IDS_FIRST = {"ids_first_min_tokens": 1, "low_latency_max_tokens": 0}  # MoEComm options
+OTHER_PATH = {"low_latency_max_tokens": 0}  # not the low-latency path (flagged words), which RUN takes at few tokens
 QUANTIZE = {"quantize": True}  # the case's x is bf16, quantized by the dispatch (not a MoEComm option)
 NONFINITE = {"nonfinite": True}  # the case's x holds NaN and infinities (not a MoEComm option)
 PARTIAL = {"partial": True}  # each rank's num_tokens drawn in [0, max_tokens] (not a MoEComm option)
@@ -166,7 +167,9 @@ class DeviceArrays:
         self.ptrs = []
 
 
-RUN = {"timeout_s": 30.0, "staged": False}  # this run's MoEComm options (--timeout-s, --staged)
+# This run's MoEComm options (--timeout-s, --staged), and the low-latency path wherever a case's config takes it
+# (few tokens; OTHER_PATH turns it off).
+RUN = {"timeout_s": 30.0, "staged": False, "low_latency_max_tokens": 32}
 
 
 def create_context(cfg, world, rank, pes=None, **options):
@@ -347,6 +350,21 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
                         "weights given to dispatch give another combine than weights given to combine_send"
         combines = "pre-reduced (weights to combine_send, to dispatch) and per slot" if p2p else "per slot"
         kernels = "four kernels, then the two fused ones (the same bits)" if p2p else "four kernels"
+        if _native.ext.context_flagged(ctx):
+            kernels += ("; the fused ones per slot on the low-latency path (flagged words), the same bits as the "
+                        "other path")
+            other, other_sizes = create_context(cfg, world, rank, pes, **{**(options or {}), **OTHER_PATH})
+            try:
+                assert not _native.ext.context_flagged(other)
+                inputs = (x[rows], ids[rows], w[rows], None if scales is None else scales[rows], int(counts[rank]))
+                flagged = kernel_round_trip(ctx, p2p, cfg, sizes, *inputs, "recv", True, quantize)
+                plain = kernel_round_trip(other, p2p, cfg, other_sizes, *inputs, "recv", True, quantize)
+                for name, a, b in zip(("expert_x", "expert_scales", "group_sizes", "row_origin", "y"), flagged[:5],
+                                      plain[:5], strict=True):
+                    assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), \
+                        f"the low-latency path's {name} differs from the other path's"
+            finally:
+                _native.ext.destroy_context(other)
         if windowed:
             rounds = -(-sizes["slots_per_source"] // sizes["window_slots"])
             kernels = (f"the two fused ones in {rounds} rounds of {sizes['window_slots']} slots, the same bits as "
@@ -512,14 +530,15 @@ def format_marks(marks: np.ndarray) -> list[str]:
     return lines
 
 
-def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=False):
+def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=False, options=None):
     """Where each kernel's time goes (the measurement build): `trips` round trips of the bench config at `tokens` per
     rank, the two fused kernels on the NVLink path (`split`, or off it: the four; their phases stamp the same marks)
     queued back to back (expert_y is zeros: values do not matter here), each trip's kernel marks read after it. The
     weights go where the fused combine gives them by default (MoEComm's prereduce_min_tokens), given to dispatch_send
     when `weights_to` is "dispatch" and the combine pre-reduces (as the bench's --weights-to dispatch).
-    Prints, per phase, the median µs from `start` to each later mark, and the median gap from the previous phase's
-    `end` to this one's `start` (launch and queueing)."""
+    `options`: MoEComm options of the context (e.g. low_latency_max_tokens). Prints, per phase, the median µs from
+    `start` to each later mark, and the median gap from the previous phase's `end` to this one's `start` (launch
+    and queueing)."""
     from jax_moe_comm import bench
 
     cfg = bench.CONFIGS[config].moe_config(tokens)
@@ -530,12 +549,13 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=
     w = rng.random((T, K)).astype(np.float32)
     scales = (rng.random((T, cfg.scale_cols)) + 0.5).astype(np.float32)
     ext = _native.ext
-    ctx, sizes = create_context(cfg, world, rank)
+    ctx, sizes = create_context(cfg, world, rank, **(options or {}))
     mem = DeviceArrays()
     try:
-        p2p = bool(ext.context_p2p(ctx))
+        p2p, flagged = bool(ext.context_p2p(ctx)), bool(ext.context_flagged(ctx))
         fused = p2p and not split
-        weights_at = "send" if cfg.max_tokens >= Options().prereduce_min_tokens else "recv"
+        prereduce = cfg.max_tokens >= Options(**(options or {})).prereduce_min_tokens and not flagged
+        weights_at = "send" if prereduce else "recv"
         if weights_to == "dispatch" and p2p and weights_at == "send":
             weights_at = "dispatch"
         phase_args, _ = round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, T, weights_at)
@@ -551,7 +571,8 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=
             rows.append(np.array(got, np.int64).reshape(len(PHASES), len(MARKS)))
         marks = np.stack(rows[1:])  # the first trip also waits for the peer's start-up
         print(f"rank {rank}: {config} T={tokens}, {'NVLink stores' if p2p else 'staged puts'}, "
-              f"{'two fused kernels' if fused else 'four kernels'}, weights {WEIGHTS_AT[weights_at]}, median of "
+              f"{'two fused kernels' if fused else 'four kernels'}"
+              f"{' (the low-latency path)' if fused and flagged else ''}, weights {WEIGHTS_AT[weights_at]}, median of "
               f"{len(marks)} trips, us from the kernel's start (gap: from the previous kernel's end)")
         print("\n".join(format_marks(marks)), flush=True)
     finally:
@@ -590,18 +611,22 @@ def host_barrier(name: str) -> None:
     distributed.global_state.client.wait_at_barrier(f"jax_moe_comm/harness/{name}", 120_000)
 
 
-def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: int | None = None) -> str:
+def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: int | None = None,
+                      low_latency: bool = False) -> str:
     """The last rank comes 2 x timeout late to round trip 1 (or skips it: `absent_rank_skips`), then five more
     round trips follow, then a collective reset and one more. Round trip 1 fails on every rank within one timeout;
     the five after it are refused at once with the same failure named; after the reset the round trip is correct.
-    `window_slots`: windowed (WINDOW), rows in rounds."""
+    `window_slots`: windowed (WINDOW), rows in rounds. `low_latency`: the fused kernels on the low-latency path
+    (flagged words, rows per slot); else the other path, pre-reduced."""
     cfg = C(4 * world, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    options = {} if low_latency else dict(OTHER_PATH)
     ctx, sizes = create_context(cfg, world, rank, timeout_s=FAULT_TIMEOUT_S,
-                                **(WINDOW(window_slots) if window_slots else {}))
+                                **(WINDOW(window_slots) if window_slots else {}), **options)
     ext = _native.ext
     try:
         p2p = bool(ext.context_p2p(ctx))
-        weights_at = "send" if p2p else "recv"
+        assert bool(ext.context_flagged(ctx)) == (low_latency and p2p), "not the path the case is for"
+        weights_at = "send" if p2p and not low_latency else "recv"
         late = world - 1
         outcomes, times = [], []
         for trip in range(6):
@@ -639,11 +664,13 @@ def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: 
         ext.destroy_context(ctx)
 
 
-def fault_overflow(rank, world, seed, window_slots: int | None = None) -> str:
-    """T = 4096 into a capacity of 512: every rank's round trip ends in well under a timeout (no combine waits for
-    rows that were dropped) with the overflow named on every rank, for rows per slot and pre-reduced rows, four
-    kernels and fused (windowed, `window_slots`: fused alone, in rounds); then a round trip that fits is correct."""
-    cfg = C(16, 4, 128, 4096, dtype=jnp.float32, out_dtype=jnp.float32, capacity=512)
+def fault_overflow(rank, world, seed, window_slots: int | None = None, low_latency: bool = False) -> str:
+    """T = 4096 into a capacity of 512 (`low_latency`: T = 32 into 64, the fused kernels per slot on the low-latency
+    path): every rank's round trip ends in well under a timeout (no combine waits for rows that were dropped) with
+    the overflow named on every rank, for rows per slot and pre-reduced rows, four kernels and fused (windowed,
+    `window_slots`: fused alone, in rounds); then a round trip that fits is correct."""
+    tokens, capacity = (32, 64) if low_latency else (4096, 512)
+    cfg = C(16, 4, 128, tokens, dtype=jnp.float32, out_dtype=jnp.float32, capacity=capacity)
     # Longer waits than the other faults': eight PEs time-slicing one GPU took over 2 s for this round trip.
     timeout_s = 5 * FAULT_TIMEOUT_S
     ctx, sizes = create_context(cfg, world, rank, timeout_s=timeout_s, **(WINDOW(window_slots) if window_slots else {}))
@@ -651,14 +678,15 @@ def fault_overflow(rank, world, seed, window_slots: int | None = None) -> str:
         p2p = bool(_native.ext.context_p2p(ctx))
         inputs, ref = draw_case(cfg, world, seed)
         slowest, texts = 0.0, set()
+        assert bool(_native.ext.context_flagged(ctx)) == (low_latency and p2p), "not the path the case is for"
         for fused in fused_choices(p2p, bool(window_slots)):
             for weights_at in ("recv", "send") if p2p else ("recv",):
                 outcome, took = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, fused)
-                assert "rows arrived but capacity is 512" in outcome, outcome
+                assert f"rows arrived but capacity is {capacity}" in outcome, outcome
                 slowest, texts = max(slowest, took), texts | {outcome}
         assert slowest < timeout_s / 2, f"an overflowing round trip took {slowest:.1f}s"
         assert _native.ext.host_failure(ctx)[errors.CODE] == errors.CAPACITY_OVERFLOW
-        inputs, ref = draw_case(cfg, world, seed + 1, num_tokens=32)
+        inputs, ref = draw_case(cfg, world, seed + 1, num_tokens=4 if low_latency else 32)
         fits, _ = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, "recv", bool(window_slots))
         assert fits == "correct", fits
         return f"{len(texts)} text(s), slowest {slowest * 1e3:.0f} ms: {sorted(texts)[0].split(': ', 1)[1][:80]}"
@@ -670,6 +698,11 @@ FAULTS = {
     "fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False),
     "fault: a rank that never arrives, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, True),
     "fault: capacity overflow at T=4096": fault_overflow,
+    "low-latency fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(
+        r, w, s, False, None, True),
+    "low-latency fault: a rank that never arrives, then 5 round trips": lambda r, w, s: fault_round_trips(
+        r, w, s, True, None, True),
+    "low-latency fault: capacity overflow at T=32": lambda r, w, s: fault_overflow(r, w, s, None, True),
     "windowed fault: a rank 2 x timeout late, then 5 round trips": lambda r, w, s: fault_round_trips(r, w, s, False, 4),
     "windowed fault: capacity overflow at T=4096, rounds of 1024": lambda r, w, s: fault_overflow(r, w, s, 1024),
     "shared buffer set: fp8 and bf16 round trips in turn, interleaving refused": shared_buffer_set,
@@ -700,6 +733,8 @@ def main() -> int:
     parser.add_argument("--weights-to", choices=("combine", "dispatch"), default="combine",
                         help="with --marks: give the weights to dispatch where the combine pre-reduces")
     parser.add_argument("--split", action="store_true", help="with --marks: the four kernels, not the two fused ones")
+    parser.add_argument("--low-latency-max-tokens", type=int, default=None,
+                        help="with --marks: MoEComm's low_latency_max_tokens (0: never the low-latency path)")
     parser.add_argument("--staged", action="store_true", help="MoEComm's staged=True: staged puts even on NVLink")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="MoEComm's timeout_s of the cases")
     parser.add_argument("--case-limit", type=float, default=280.0, help="seconds before a case that has not "
@@ -718,7 +753,9 @@ def main() -> int:
         if not _native.ext.measurement_build():
             raise SystemExit("--marks needs the measurement build (JAX_MOE_COMM_MEASUREMENT=ON)")
         for tokens in (int(t) for t in args.marks.split(",")):
-            marks_table(rank, world, "r1", tokens, trips=50, weights_to=args.weights_to, split=args.split)
+            ll = args.low_latency_max_tokens
+            marks_table(rank, world, "r1", tokens, trips=50, weights_to=args.weights_to, split=args.split,
+                        options=None if ll is None else {"low_latency_max_tokens": ll})
         _native.ext.finalize()
         return 0
     passed = failed = 0
