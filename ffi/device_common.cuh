@@ -415,9 +415,9 @@ __device__ inline bool pair_landed(const ulonglong2& w, uint32_t epoch) {
   return epoch_of(w.x) == epoch && epoch_of(w.y) == epoch;
 }
 
-// The bound of one thread's polls of flagged words, as wait_for's: it gives up at once when the abort word is set
-// and timeout_ns after its first poll that found nothing (kTimeout naming `peer`). One per thread: a dead peer
-// costs one timeout, however many words the thread waits for.
+// The bound of a thread's polls of flagged words (one row's, or all of a thread's work), as wait_for's: it gives up
+// at once when the abort word is set and timeout_ns after its first poll that found nothing (kTimeout naming
+// `peer`). The first wait that times out sets the abort word, so a dead peer costs one timeout in all.
 struct Patience {
   uint64_t deadline = 0;
   __device__ bool gave_up(const Context& ctx, Phase phase, int peer) {

@@ -41,8 +41,8 @@ struct FromX {
   }
 };
 
-// The low-latency order (Context::flagged: few tokens per rank, NVLink): the send stores the count, ids and rows in
-// flagged words and never waits; the receive waits for every source's count, lands every arrival's ids, makes the
+// The low-latency order (Context::flagged: few tokens per rank, NVLink): the send SETs its count into the ready
+// word (epoch-tagged), stores the ids and rows in flagged words and never waits; the receive waits for every source's count, lands every arrival's ids, makes the
 // layout as receive_tokens does and copies the rows as their words land. No fence, block count or signal between the
 // halves, so a peer's rows are copied as soon as they arrive. The same layout and rows as the other orders, bit for
 // bit (the stages after the ids are theirs).

@@ -379,7 +379,10 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
       const int j = h / K, k = h % K, i = batch + j;
       if (!(local_slots[j] >> k & 1u)) continue;  // not live, or an expert of another rank
       const int g = group_of(first, i), t = sh.token_base + i - first[g];
+      // Slots past kUnrolledSlots read their id again: on the low-latency path a block whose wait gave up may have
+      // rewritten it since (land_flagged_ids), so it is checked again.
       const int l = k < kUnrolledSlots ? slot_expert[j][k] : ids_at(i, g)[k] - first_local;
+      if (l < 0 || l >= L) continue;
       const int at = max(first[g] - batch, 0);  // the batch's first arrival of group g
       const int p = r.group_base[l * G + g] + r.before[l * G + g] + count_bits(r.hits + l * kBitWords, at, j);
       if (p >= s.capacity) {  // overflow: never written (derive_layout reported it); its source is told: no row comes

@@ -141,8 +141,9 @@ class MoEComm:
         token counts, ids and rows travel in 8-byte words that each carry 4 data bytes and the round trip's epoch,
         so a receiver polls the data itself and no fence, block count or signal stands between a row and its
         reader (twice the bytes on the link; buffers of their own, ``symmetric_bytes`` counts them). Its combine
-        sends rows per slot (``combine_weights_at`` is "recv"). A dispatch that quantizes bf16 rows or is given the
-        weights takes the other path. Default 0 (never), chosen by measurement (benchmarks/NOTES.md): on one H200
+        sends rows per slot (``combine_weights_at`` is "recv"), so weights given to dispatch stay in the handle; a
+        dispatch that quantizes bf16 rows takes the other path. Under ``max_symmetric_bytes`` the path is taken only
+        where its buffers fit unwindowed. Default 0 (never), chosen by measurement (benchmarks/NOTES.md): on one H200
         the path is 8-9 µs slower per round trip at 1-32 tokens (its rows are twice the bytes, copied by one warp
         each). The same layout and results bit for bit.
       staged: send through symmetric staging buffers and put-with-signal even where NVLink stores reach every peer
@@ -215,12 +216,10 @@ class MoEComm:
                                                             ep_axes, options)
         self._shared_with = () if grad_geo is None else (grad_geo.cfg,)
         # The window of a job on NVLink (the reference backend has no heap, but refuses the same bounds).
-        self._window_slots = nvshmem_backend.window_slots_for(cfg, self.world, options.max_symmetric_bytes,
-                                                              options.staged, self._shared_with, None,
-                                                              options.low_latency_max_tokens)
+        self._window_slots, low_latency = nvshmem_backend.window_and_path(
+            cfg, self.world, options.max_symmetric_bytes, options.staged, self._shared_with,
+            low_latency_max_tokens=options.low_latency_max_tokens)
         # The low-latency path's combine is per slot: the weights go to combine_recv there.
-        low_latency = nvshmem_backend.takes_flagged_path(cfg, options.low_latency_max_tokens, options.staged,
-                                                         self._window_slots)
         prereduce = cfg.max_tokens >= options.prereduce_min_tokens and not low_latency
         self.combine_weights_at = "send" if prereduce else "recv"
         if self.backend == "nvshmem":

@@ -20,13 +20,13 @@ GIB = 2**30
 
 
 def heap_bytes(cfg: MoECommConfig, world: int, grad_dtype: Any = None, staging: bool = False,
-               max_bytes: int | None = None) -> int:
+               max_bytes: int | None = None, low_latency_max_tokens: int = 0) -> int:
     """Symmetric heap per GPU of one MoEComm of `cfg` over `world` EP ranks (``comm.symmetric_bytes``): its buffer set,
     for an fp8 payload with grad_dtype sized for the backward round trips' rows too. ``staging``: with the buffers of
     the path to peers off NVLink. ``max_bytes``: MoEComm's max_symmetric_bytes (the windowed heap where the config
-    needs more)."""
+    needs more). ``low_latency_max_tokens``: MoEComm's (the low-latency path's buffers where it is taken)."""
     shared = () if grad_dtype is None else (cfg.gradient_config(world, grad_dtype),)
-    return nvshmem_backend.symmetric_bytes(cfg, world, staging, shared, max_bytes)
+    return nvshmem_backend.symmetric_bytes(cfg, world, staging, shared, max_bytes, low_latency_max_tokens)
 
 
 def expert_x_bytes(cfg: MoECommConfig, world: int) -> int:

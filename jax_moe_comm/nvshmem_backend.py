@@ -80,14 +80,13 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
     )
 
 
-def takes_flagged_path(cfg: MoECommConfig, low_latency_max_tokens: int, staging: bool,
-                       window_slots: int | None) -> bool:
-    """Whether a MoEComm's fused calls take the low-latency path (``Context::flagged``: words that carry their own
-    epoch, no fence, count or signal between a row and its reader): up to ``low_latency_max_tokens`` tokens per rank,
-    every peer on NVLink (no staging), unwindowed, rows of whole 8-byte pairs and combine chunks of 8 columns. The
-    extension decides the same from the layout, which holds the path's buffers only then."""
-    return (not staging and window_slots is None and cfg.max_tokens <= low_latency_max_tokens
-            and cfg.hidden % 8 == 0 and cfg.scale_cols % 2 == 0)
+def takes_flagged_path(cfg: MoECommConfig, low_latency_max_tokens: int, staging: bool) -> bool:
+    """Whether a config suits the low-latency path (``Context::flagged``: words that carry their own epoch, no
+    fence, count or signal between a row and its reader): up to ``low_latency_max_tokens`` tokens per rank, every
+    peer on NVLink (no staging), rows of whole 8-byte pairs and combine chunks of 8 columns. window_and_path adds
+    the heap bound; the extension decides the same from the layout, which holds the path's buffers only then."""
+    return (not staging and cfg.max_tokens <= low_latency_max_tokens and cfg.hidden % 8 == 0
+            and cfg.scale_cols % 2 == 0)
 
 
 def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bool,
@@ -156,23 +155,17 @@ def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
 
 
 def window_slots_for(cfg: MoECommConfig, world: int, max_bytes: int | None, staging: bool = False,
-                     shared_with: tuple[MoECommConfig, ...] = (), measurement: bool | None = None,
-                     low_latency_max_tokens: int = Options.low_latency_max_tokens) -> int | None:
+                     shared_with: tuple[MoECommConfig, ...] = (), measurement: bool | None = None) -> int | None:
     """The slots per source of one round of a windowed round trip: None (no window) when the heap of every slot fits
     ``max_bytes`` (or there is no bound), else the fewest rounds whose window fits, the slots split evenly among them.
     Rows then travel in rounds of that many slots per source (``window_slots * dp_size`` tokens of each DP group),
     through buffers of one round. ValueError when not even one slot per source fits, or when a window would be needed
-    on the staged path (peers off NVLink, or ``staged=True``), which has none. The unwindowed heap holds the
-    low-latency path's buffers where that path is taken (``low_latency_max_tokens``, takes_flagged_path)."""
+    on the staged path (peers off NVLink, or ``staged=True``), which has none."""
     if max_bytes is None:
         return None
     measurement = _native.measurement_build() if measurement is None else measurement
+    heap = lambda w: _layout_bytes(symmetric_layout(cfg, world, measurement, staging, shared_with, w))  # noqa: E731
     slots = kernel_sizes(cfg, world, 0)["slots_per_source"]
-
-    def heap(w: int) -> int:
-        flagged = w == slots and takes_flagged_path(cfg, low_latency_max_tokens, staging, None)
-        return _layout_bytes(symmetric_layout(cfg, world, measurement, staging, shared_with,
-                                              None if w == slots else w, flagged))
 
     if heap(slots) <= max_bytes:
         return None
@@ -190,14 +183,26 @@ def window_slots_for(cfg: MoECommConfig, world: int, max_bytes: int | None, stag
     return -(-slots // rounds)  # as many rounds as the largest window that fits needs, no fuller than it
 
 
+def window_and_path(cfg: MoECommConfig, world: int, max_bytes: int | None, staging: bool = False,
+                    shared_with: tuple[MoECommConfig, ...] = (), measurement: bool | None = None,
+                    low_latency_max_tokens: int = Options.low_latency_max_tokens) -> tuple[int | None, bool]:
+    """(window_slots_for's window, whether the low-latency path is taken): the path where takes_flagged_path says
+    so and the unwindowed heap with its buffers fits ``max_bytes``; else the window of the heap without them."""
+    if takes_flagged_path(cfg, low_latency_max_tokens, staging):
+        measurement = _native.measurement_build() if measurement is None else measurement
+        heap = _layout_bytes(symmetric_layout(cfg, world, measurement, staging, shared_with, None, True))
+        if max_bytes is None or heap <= max_bytes:
+            return None, True
+    return window_slots_for(cfg, world, max_bytes, staging, shared_with, measurement), False
+
+
 def symmetric_bytes(cfg: MoECommConfig, world: int, staging: bool = False,
                     shared_with: tuple[MoECommConfig, ...] = (), max_bytes: int | None = None,
                     low_latency_max_tokens: int = Options.low_latency_max_tokens) -> int:
     """Bytes of NVSHMEM symmetric heap one MoEComm takes on each rank (``staging``, ``shared_with``: see
     symmetric_layout; ``max_bytes``: MoEComm's max_symmetric_bytes, see window_slots_for;
     ``low_latency_max_tokens``: MoEComm's, see takes_flagged_path)."""
-    window = window_slots_for(cfg, world, max_bytes, staging, shared_with, None, low_latency_max_tokens)
-    flagged = takes_flagged_path(cfg, low_latency_max_tokens, staging, window)
+    window, flagged = window_and_path(cfg, world, max_bytes, staging, shared_with, None, low_latency_max_tokens)
     return _layout_bytes(symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window,
                                           flagged))
 
@@ -289,10 +294,9 @@ def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, 
     of the job needs them (an allocation has one size on every process)."""
     pes = list(range(world)) if pe_of_rank is None else list(pe_of_rank)
     staging = options.staged or not _native.ext.job_on_nvlink(pes)
-    window = window_slots_for(cfg, world, options.max_symmetric_bytes, staging, shared_with, None,
-                              options.low_latency_max_tokens)
+    window, flagged = window_and_path(cfg, world, options.max_symmetric_bytes, staging, shared_with, None,
+                                      options.low_latency_max_tokens)
     sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s, window)
-    flagged = takes_flagged_path(cfg, options.low_latency_max_tokens, staging, window)
     layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window, flagged)
     ctx = _native.ext.create_context(sizes, layout, pes, staged=options.staged,
                                      ids_first_min_tokens=options.ids_first_min_tokens)

@@ -371,8 +371,8 @@ def test_the_symmetric_layout_tiles_its_bytes_with_aligned_buffers(fields):
             sizes["payload_bytes"] + 4 * sizes["scale_cols"])
         assert flagged["flagged_combine"][1] == 2 * cfg.max_tokens * cfg.experts_per_token * stride
         takes = cfg.max_tokens <= 32 and cfg.hidden % 8 == 0
-        assert nvshmem_backend.takes_flagged_path(cfg, 32, False, None) is takes
-        assert not nvshmem_backend.takes_flagged_path(cfg, 32, True, None)
+        assert nvshmem_backend.takes_flagged_path(cfg, 32, False) is takes
+        assert not nvshmem_backend.takes_flagged_path(cfg, 32, True)
         assert nvshmem_backend.symmetric_bytes(cfg, world, low_latency_max_tokens=32) == _layout_end(
             flagged if takes else layout)
         assert "flagged_rows" not in staged

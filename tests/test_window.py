@@ -193,3 +193,19 @@ def test_a_low_latency_plan_sends_no_weights_with_its_dispatch(flagged):
     assert sent_weights == ((0,) if flagged else (cfg.max_tokens, cfg.experts_per_token))
     assert int(combine_attrs["weights_sent"]) == (0 if flagged else 1)
     assert int(combine_attrs["reduced"]) == 0
+
+
+def test_a_bound_keeps_the_low_latency_path_only_where_its_buffers_fit():
+    """Under max_symmetric_bytes the low-latency path's buffers are part of the unwindowed heap: a bound that holds
+    them keeps the path; one that holds only the other path's buffers keeps every row in one round without the path
+    (no window needed); below that, rounds as before."""
+    cfg = MoECommConfig(32, 8, 512, 1, dtype=jnp.float8_e4m3fn, scale_block=128)
+    world = 8
+    plain = nb.symmetric_bytes(cfg, world, low_latency_max_tokens=0)
+    flagged = nb.symmetric_bytes(cfg, world, low_latency_max_tokens=32)
+    assert flagged > plain
+    assert nb.window_and_path(cfg, world, None, low_latency_max_tokens=32) == (None, True)
+    assert nb.window_and_path(cfg, world, flagged, low_latency_max_tokens=32) == (None, True)
+    assert nb.window_and_path(cfg, world, plain, low_latency_max_tokens=32) == (None, False)
+    assert nb.symmetric_bytes(cfg, world, max_bytes=plain, low_latency_max_tokens=32) == plain
+    assert nb.window_and_path(cfg, world, None, low_latency_max_tokens=0) == (None, False)
