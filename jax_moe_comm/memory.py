@@ -14,13 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import nvshmem_backend
-from .config import MoECommConfig
+from .config import MoECommConfig, Options
 
 GIB = 2**30
 
 
 def heap_bytes(cfg: MoECommConfig, world: int, grad_dtype: Any = None, staging: bool = False,
-               max_bytes: int | None = None, low_latency_max_tokens: int = 0) -> int:
+               max_bytes: int | None = None,
+               low_latency_max_tokens: int = Options.low_latency_max_tokens) -> int:
     """Symmetric heap per GPU of one MoEComm of `cfg` over `world` EP ranks (``comm.symmetric_bytes``): its buffer set,
     for an fp8 payload with grad_dtype sized for the backward round trips' rows too. ``staging``: with the buffers of
     the path to peers off NVLink. ``max_bytes``: MoEComm's max_symmetric_bytes (the windowed heap where the config
