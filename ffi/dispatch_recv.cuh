@@ -411,7 +411,8 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
 __device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs& a, const Receive& r,
                                       int32_t* send_status = nullptr) {
   const Sizes& s = ctx.s;
-  const int L = s.local_experts, packed_rows = r.expert_start[L];
+  // The padded runs may end past capacity (overflow="drop" cuts inside them): rows from capacity on do not exist.
+  const int L = s.local_experts, packed_rows = min(r.expert_start[L], s.capacity);
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < s.capacity; p += gridDim.x * blockDim.x) {
     const int l = p < packed_rows ? find_run(r.expert_start, L, p) : L;

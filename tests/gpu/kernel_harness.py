@@ -83,6 +83,14 @@ CASES = {
                                                   overflow="drop"), "skewed", {"staged": True}),
     "drop: ids first, capacity factor 1": (C(8, 3, 64, 32, dtype=jnp.bfloat16, capacity_factor=1.0, overflow="drop"),
                                            "skewed", IDS_FIRST),
+    # Regressions: capacities that cut inside an expert's padded run. The receive zeroed the padding up to the run's
+    # end, past capacity: into the memory after expert_x (XLA's next buffers; the guards here).
+    "drop: a cut inside a padded run": (C(16, 4, 128, 32, dtype=jnp.bfloat16, align=8, capacity=60, overflow="drop"),
+                                        "uniform"),
+    "drop: one row, align 16": (C(2, 1, 2880, 2, dtype=jnp.float16, out_dtype=jnp.float32, align=16, capacity=6,
+                                  overflow="drop"), "uniform", PARTIAL),
+    "drop: one hot expert, quantize B32": (C(8, 2, 2880, 200, dtype=jnp.float8_e4m3fn, scale_block=32, align=4,
+                                             capacity=26, overflow="drop"), "one_hot", {**QUANTIZE, **PARTIAL}),
     # dispatch(..., quantize=float8_e4m3fn): bf16 rows quantized as they are sent, against the reference quantizer:
     # in registers (B 128, R1's shape), in registers with a block of one 16-element word per lane (B 16), the
     # generic path (B 96: not a power of two of words), staged puts (quantized into staging), and ids-first
@@ -132,16 +140,30 @@ def checked(result):
 
 
 class DeviceArrays:
-    """Device copies of host arrays (and zeroed outputs), freed together."""
+    """Device copies of host arrays (and zeroed outputs), freed together. Each allocation is followed by a guard of
+    GUARD_BYTES holding GUARD_BYTE: ``check_guards`` finds a kernel that wrote past the end of a buffer (as XLA's
+    neighbouring buffers would have taken it)."""
+
+    GUARD_BYTES, GUARD_BYTE = 256 << 10, 0xA5
 
     def __init__(self):
         self.ptrs = []
+        self.guards = []  # (guard address, the buffer's name)
 
-    def alloc(self, nbytes: int) -> int:
-        ptr = int(checked(cudart.cudaMalloc(max(nbytes, 16))))
-        checked(cudart.cudaMemset(ptr, 0, max(nbytes, 16)))
+    def alloc(self, nbytes: int, name: str = "buffer") -> int:
+        size = max(nbytes, 16)
+        ptr = int(checked(cudart.cudaMalloc(size + self.GUARD_BYTES)))
+        checked(cudart.cudaMemset(ptr, 0, size))
+        checked(cudart.cudaMemset(ptr + nbytes, self.GUARD_BYTE, size - nbytes + self.GUARD_BYTES))
         self.ptrs.append(ptr)
+        self.guards.append((ptr + nbytes, name))
         return ptr
+
+    def check_guards(self) -> None:
+        """AssertionError naming the buffers whose guard a kernel overwrote."""
+        hit = [name for at, name in self.guards
+               if not (self.get(at, (self.GUARD_BYTES,), np.uint8) == self.GUARD_BYTE).all()]
+        assert not hit, f"a kernel wrote past the end of {', '.join(hit)}"
 
     def put(self, host: np.ndarray) -> int:
         ptr = self.alloc(np.asarray(host).nbytes)
@@ -164,7 +186,7 @@ class DeviceArrays:
     def free(self):
         for ptr in self.ptrs:
             checked(cudart.cudaFree(ptr))
-        self.ptrs = []
+        self.ptrs, self.guards = [], []
 
 
 # This run's MoEComm options (--timeout-s, --staged), and the low-latency path wherever a case's config takes it
@@ -217,11 +239,11 @@ def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, q
     x_d = mem.put(x.astype(jnp.bfloat16 if quantize else cfg.dtype))
     ids_d, w_d, n_d = mem.put(ids), mem.put(w), mem.put(np.int32([n]))
     scales_d = mem.put(scales if scales is not None and not quantize else np.zeros((T, 0), np.float32))
-    out = dict(expert_x=mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize),
-               expert_scales=mem.alloc(cap * cfg.scale_cols * 4), group_sizes=mem.alloc(L * 4),
-               row_origin=mem.alloc(cap * 4),
-               expert_y=mem.alloc(cap * H * np.dtype(cfg.out_dtype).itemsize),
-               out=mem.alloc(T * H * np.dtype(cfg.out_dtype).itemsize))
+    out = dict(expert_x=mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize, "expert_x"),
+               expert_scales=mem.alloc(cap * cfg.scale_cols * 4, "expert_scales"),
+               group_sizes=mem.alloc(L * 4, "group_sizes"), row_origin=mem.alloc(cap * 4, "row_origin"),
+               expert_y=mem.alloc(cap * H * np.dtype(cfg.out_dtype).itemsize, "expert_y"),
+               out=mem.alloc(T * H * np.dtype(cfg.out_dtype).itemsize, "out"))
     code = row_type(cfg.out_dtype)
     sent = p2p and weights_at == "dispatch"
     args = [
@@ -273,11 +295,13 @@ def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, fu
         for phase, a in dispatch:
             ext.launch_phase(ctx, phase, a)
         checked(cudart.cudaDeviceSynchronize())
+        mem.check_guards()
         expert_x = DeviceArrays.get(out["expert_x"], (cap, H), cfg.dtype)
         DeviceArrays.set(out["expert_y"], (expert_x.astype(np.float32) * 1.5).astype(cfg.out_dtype))
         for phase, a in combine:
             ext.launch_phase(ctx, phase, a)
         checked(cudart.cudaDeviceSynchronize())
+        mem.check_guards()
         return (expert_x, DeviceArrays.get(out["expert_scales"], (cap, cfg.scale_cols), np.float32),
                 DeviceArrays.get(out["group_sizes"], (L,), np.int32),
                 DeviceArrays.get(out["row_origin"], (cap,), np.int32),

@@ -46,6 +46,11 @@ def routing(rng, kind: str, rows: int, cfg: jmc.MoECommConfig, world: int) -> np
         ids = np.argsort(rng.random((rows, L * (world - 1))), axis=1)[:, :K].astype(np.int32)
     elif kind == "dropped":  # random -1 slots
         ids = np.where(rng.random(ids.shape) < 0.3, -1, ids).astype(np.int32)
+    elif kind == "one_hot":  # every token names one hot expert, in a random slot
+        hot = int(rng.integers(E))
+        for t in range(rows):
+            if hot not in ids[t]:
+                ids[t, rng.integers(K)] = hot
     return ids
 
 
@@ -784,6 +789,18 @@ def main() -> int:
             mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity=20, align=4, overflow="drop"), kind="skewed")),
         ("drop: capacity factor 1, staged puts", lambda s: staged_puts(lambda: run_case(
             mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity_factor=1.0, overflow="drop"), kind="skewed"))),
+        # Regressions: a cut inside an expert's padded run (the padding was zeroed past capacity, into XLA's next
+        # buffers), per slot and pre-reduced, one row, and one hot expert with in-kernel quantization.
+        ("drop: a cut inside a padded run", lambda s: run_case(
+            mesh, s, "", C(16, 4, 128, 32, dtype=bf16, align=8, capacity=60, overflow="drop"))),
+        ("drop: a cut inside a padded run, pre-reduced", lambda s: run_case(
+            mesh, s, "", C(16, 4, 256, 64, dtype=bf16, align=4, capacity=192, overflow="drop"))),
+        ("drop: one row, align 16", lambda s: run_case(
+            mesh, s, "", C(2, 1, 2880, 2, dtype=f16, out_dtype=f32, align=16, capacity=6, overflow="drop"),
+            num_tokens="partial")),
+        ("drop: one hot expert, quantize B32", lambda s: run_case(
+            mesh, s, "", C(8, 2, 2880, 200, dtype=fp8, scale_block=32, align=4, capacity=26, overflow="drop"),
+            kind="one_hot", num_tokens="partial", quantize=True)),
         # dispatch(..., quantize=float8_e4m3fn): bf16 rows quantized by the dispatch kernels, against the reference.
         ("quantize: fp8 K8 B128", lambda s: run_case(mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128),
                                                     quantize=True)),
