@@ -14,7 +14,7 @@ which is how the rules are tested against plain AD on CPU (and against the refer
 
 A training step's backward is then one more round trip on the same MoEComm (for an fp8 payload, on its
 ``grad_dtype`` buffer set, so that ``dy`` travels unquantized; the layout is the forward's, as the routing is):
-combine's rule dispatches ``dy`` (tied to the forward's output by an optimization barrier, so it starts after the
+combine's rule dispatches ``dy`` (tied to the forward's output by an operand it never reads, so it starts after the
 forward round trip), dispatch's rule combines the row gradients (which depend on the expert computation's
 backward, hence on that dispatch). One MoEComm carries one round trip at a time; the NVSHMEM kernels check the
 phase order on the device and fail with a message (errors.OUT_OF_ORDER) instead of mixing two round trips' rows.

@@ -5,7 +5,8 @@ refuses ("Effects not supported in partial-eval of checkpoint/remat"). A round t
 (never dropped, never merged), and it may be recomputed: a recomputed round trip is one round trip more, run by every
 rank at the same point of the same program, so the protocol stays in step (docs/design.md, "One buffer set for a
 whole model"). So the calls go through this primitive, with an effect of its own that is allowed under remat, custom
-derivatives and control flow, and lowered exactly like ffi_call's (an FFI custom call with has_side_effect).
+derivatives and control flow, and lowered like ffi_call's (an FFI custom call with has_side_effect) with one more
+result, a token (see _lowering).
 """
 
 from __future__ import annotations
@@ -49,8 +50,13 @@ kernel_call_p.def_effectful_abstract_eval(_abstract_eval)
 
 
 def _lowering(ctx, *operands, target: str, results: tuple, attributes: tuple):
+    """ffi_call's lowering, plus a token result that nothing reads: XLA:GPU's dynamic-slice fusion takes no custom call
+    with a token result. It cloned a call whose operand was a slice of a loop's buffer (a lax.scan of checkpointed
+    layers reads its residuals so) into a fusion and kept the original too: the kernel then ran twice (every handler
+    in ffi/handlers.cu declares the token)."""
     del results
-    return jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *operands, **dict(attributes))
+    with_token = ctx.replace(avals_out=[*ctx.avals_out, core.abstract_token])
+    return jax.ffi.ffi_lowering(target, has_side_effect=True)(with_token, *operands, **dict(attributes))[:-1]
 
 
 mlir.register_lowering(kernel_call_p, _lowering, platform="cuda")

@@ -366,13 +366,7 @@ def _varying(outs, args, ep_axes: tuple[str, ...]):
 
 
 def _call(name: str, results, plan: Plan, *args, **attrs):
-    # XLA:GPU's dynamic-slice fusion clones a custom call whose operand is a slice of a loop input (a lax.scan's
-    # per-layer ids) or whose result is written into a slice of a loop buffer (a lax.scan stacking residuals for the
-    # backward pass), side effect or not, and keeps the original: the kernel then ran twice per iteration. Behind
-    # optimization barriers (free: no copy, no kernel) the operands and results match no such pattern.
-    args = jax.lax.optimization_barrier(args)
     outs = kernel_call(f"jmc_{name}", results, *args, context=np.int64(plan.ctx), **attrs)
-    outs = jax.lax.optimization_barrier(outs)
     return _varying(outs, args, plan.geo.axis_name)
 
 

@@ -189,3 +189,29 @@ def test_kernel_calls_under_checkpoint_run_once():
     calls = [line for line in hlo.splitlines() if "jmc_stand_in" in line]
     assert len(calls) == 6, "\n".join(calls)
     assert all("has_side_effect = true" in line for line in calls), "\n".join(calls)
+
+
+def test_every_kernel_call_has_a_token_result_that_keeps_it_out_of_dynamic_slice_fusions():
+    """A lax.scan over jax.checkpoint-ed layers, differentiated, lowered for CUDA: every kernel call, forward and
+    backward, returns a token after its results. XLA:GPU's dynamic-slice fusion takes no custom call with a token
+    result; without it, XLA cloned the backward scan's calls (their operands are slices of the stacked residuals) into
+    fusions and kept the originals, and each phase ran twice ("it ran while this MoEComm expected combine_send")."""
+    from jax_moe_comm.kernel_call import kernel_call
+
+    def call(x):
+        y = kernel_call("jmc_stand_in", jax.ShapeDtypeStruct(x.shape, x.dtype), x, context=np.int64(0))
+        return jax.lax.pcast(y, ("ep",), to="varying")
+
+    @jax.custom_vjp
+    def round_trip(x):
+        return call(x)
+
+    round_trip.defvjp(lambda x: (call(x), None), lambda _, ct: (call(ct),))
+    layer = jax.checkpoint(lambda x, w: (jnp.tanh(round_trip(x) @ w), None))
+    loss = lambda x, w: jnp.sum(jax.lax.scan(layer, x, w)[0] ** 2)  # noqa: E731
+    step = jax.shard_map(jax.grad(loss, argnums=1), mesh=ep_mesh(2), in_specs=(P("ep"), P()), out_specs=P())
+    hlo = jax.jit(step).trace(jnp.ones((4, 8), jnp.float32), jnp.ones((3, 8, 8), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in hlo.splitlines() if "jmc_stand_in" in line]
+    assert len(calls) == 2, "\n".join(calls)  # one in the forward scan's body, one in the backward's
+    assert all(line.rstrip().endswith("!stablehlo.token)") for line in calls), "\n".join(calls)

@@ -452,6 +452,8 @@ def case_grad_composition(mesh, seed, composition, layers=3):
                 return x
             if composition == "scan":
                 return jax.lax.scan(lambda x, p: (layer(comms[0], x, *p), None), x, (ids, w, ew))[0]
+            if composition == "scan, checkpointed":  # how MaxText / Flax nn.scan + remat write a model
+                return jax.lax.scan(jax.checkpoint(lambda x, p: (layer(comms[0], x, *p), None)), x, (ids, w, ew))[0]
             y = x
             for i in range(layers):
                 x, y = layer(comms[0], x, ids[i], w[i], ew[i]), layer(comms[1], y, ids[i], w[i], 0.5 * ew[i])
@@ -872,6 +874,8 @@ def main() -> int:
         ("grad: linear loss (dy independent of y)", lambda s: case_grad(mesh, s, linear_loss=True)),
         ("grad: experts under remat", lambda s: case_grad_composition(mesh, s, "remat")),
         ("grad: scan over layers", lambda s: case_grad_composition(mesh, s, "scan")),
+        # Regression: XLA cloned the backward scan's calls into dynamic-slice fusions (a phase ran twice).
+        ("grad: scan over checkpointed layers", lambda s: case_grad_composition(mesh, s, "scan, checkpointed")),
         ("grad: two MoEComms in one step", lambda s: case_grad_composition(mesh, s, "two instances")),
         ("grad: 58 layers, one MoEComm, whole layers rematerialized", lambda s: case_grad_one_comm_remat_layers(
             mesh, s)),
