@@ -34,9 +34,9 @@ class CombineHandle:
         token (alignment padding and the unused tail).
     topk_ids:   int32 [max_tokens, K], this rank's own routing (combine_recv counts each token's valid slots).
     num_tokens: int32 [], this rank's valid token count; output rows >= num_tokens are zero.
-    status:     int32 [4], the first error dispatch found on this rank ({code, phase, detail, detail}; zeros if
-        none). Dispatch records errors instead of raising them so that every rank finishes the round trip; the
-        combine that completes it raises (see errors.py).
+    status:     int32 [8] (errors.STATUS_WORDS), the first error dispatch found on this rank: {code, phase, rank,
+        detail_a, detail_b, epoch, 0, 0}, zeros if none (errors.py). Dispatch records errors instead of raising them so
+        that every rank finishes the round trip; how the round trip's error is raised is MoEComm's check_errors.
     topk_weights: float32 [max_tokens, K], the weights given to dispatch, or None. With them combine takes no
         weights of its own; on the NVSHMEM backend's NVLink path they travelled with the tokens' ids, so the
         pre-reduced combine_send does not exchange them.

@@ -75,6 +75,16 @@ def test_an_error_on_one_rank_raises_on_every_rank_with_that_ranks_message(mode)
         jax.block_until_ready(_round_trip(check_errors=mode)(*_inputs(bad_rank=3, bad_id=E)))
 
 
+def test_the_handle_status_has_the_shape_its_docstring_states():
+    """CombineHandle's docstring is a contract: status is int32 [8], the words errors.py names."""
+    from jax_moe_comm.types import CombineHandle
+
+    status, *_ = _round_trip(check_errors=False)(*_inputs(bad_rank=None))
+    per_shard = np.asarray(status).reshape(WORLD, -1)
+    assert per_shard.shape[1] == errors.STATUS_WORDS == 8
+    assert f"status:     int32 [{errors.STATUS_WORDS}]" in CombineHandle.__doc__
+
+
 def test_check_errors_must_be_true_false_or_sync():
     cfg = jax_moe_comm.MoECommConfig(E, K, H, T)
     with pytest.raises(ValueError, match="check_errors must be True, False or 'sync', got 'later'"):
