@@ -159,6 +159,13 @@ def check_now(word: Array, after: Array) -> Array:
     return jnp.where(ok == 0, after, jnp.zeros_like(after))
 
 
+def check_if_failed(word: Array, after: Array) -> Array:
+    """check_now, run only when the status's code is non-zero (a conditional on the device): a round trip that
+    succeeds costs no host callback and no synchronization; a failed one raises at its end, as check_now does.
+    Returns `after`, bit for bit, made to depend on the conditional."""
+    return jax.lax.cond(word[CODE] != 0, check_now, lambda word, after: after, word, after)
+
+
 def _forget_own_failures() -> None:
     """At exit JAX waits for the computations it dispatched last (``jax.effects_barrier()``, in two atexit hooks of
     its own, ``jax._src.dispatch.wait_for_tokens`` and ``jax._src.api.clean_up``, registered before this one and so

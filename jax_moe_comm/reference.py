@@ -218,8 +218,8 @@ def combine_recv(geo: Geometry, q: PendingCombine, topk_weights: Array | None) -
     for k in range(K):  # fixed summation order: the kernel adds slots 0..K-1 the same way
         acc = acc + weights[:, k, None] * by_slot[:, k]
     status = round_trip_status(geo, q.status)
-    if geo.check_errors:  # True or "sync": every rank raises here, after the last transfer
-        acc = errors.check_now(status, after=acc)  # y depends on the check: an eager shard_map raises at its read
+    if geo.check_errors:  # True or "sync": every rank raises here, after the last transfer, if the round trip failed
+        acc = errors.check_if_failed(status, after=acc)  # y depends on it: an eager shard_map raises at its read
     y = jnp.where(live[:, None], acc, 0.0).astype(geo.cfg.out_dtype)
     return jnp.where(status[errors.CODE] != 0, jnp.asarray(jnp.nan, y.dtype), y)
 

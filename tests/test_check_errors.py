@@ -75,6 +75,45 @@ def test_an_error_on_one_rank_raises_on_every_rank_with_that_ranks_message(mode)
         jax.block_until_ready(_round_trip(check_errors=mode)(*_inputs(bad_rank=3, bad_id=E)))
 
 
+def test_the_default_check_costs_no_host_callback_unless_a_round_trip_fails(monkeypatch):
+    """check_errors=True on the reference backend: a jitted chain of 4 valid round trips calls the check's host
+    function on no device (it sits in a conditional that runs only for a failed round trip), and returns what
+    check_errors=False returns; with a bad id in the second round trip it is called once per device (the step stops
+    there) and the step raises."""
+    calls = []
+    host_check = errors._check_errors
+
+    def counted(words, after):
+        calls.append(int(np.asarray(words).reshape(-1)[errors.CODE]))
+        return host_check(words, after)
+
+    monkeypatch.setattr(errors, "_check_errors", counted)
+    jax.clear_caches()  # traced again: a cached conditional holds the host function it was traced with
+    cfg = jax_moe_comm.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+
+    def chain(check_errors):
+        comm = jax_moe_comm.MoEComm(cfg, ep_mesh(WORLD), backend="reference", check_errors=check_errors)
+
+        def shard(x, ids, w):
+            for layer in range(4):
+                d = comm.dispatch(x, ids[layer])
+                x = comm.combine(d.expert_x, d.handle, w)
+            return x
+
+        return jax.jit(jax.shard_map(shard, mesh=comm.mesh, in_specs=(P("ep"), P(None, "ep"), P("ep")),
+                                     out_specs=P("ep")))
+
+    x, ids, w = _inputs(bad_rank=None)
+    layered = np.stack([ids] * 4)
+    y = jax.block_until_ready(chain(True)(x, layered, w))
+    assert calls == []
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(chain(False)(x, layered, w)))
+    layered[1] = _inputs(bad_rank=2)[1]
+    with pytest.raises(jax.errors.JaxRuntimeError, match="dispatch_send failed on rank 2: expert id 99 of token 1"):
+        jax.block_until_ready(chain(True)(x, layered, w))
+    assert calls == [errors.BAD_EXPERT_ID] * WORLD
+
+
 def test_the_handle_status_has_the_shape_its_docstring_states():
     """CombineHandle's docstring is a contract: status is int32 [8], the words errors.py names."""
     from jax_moe_comm.types import CombineHandle
