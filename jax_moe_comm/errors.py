@@ -159,11 +159,23 @@ def check_now(word: Array, after: Array) -> Array:
     return jnp.where(ok == 0, after, jnp.zeros_like(after))
 
 
+def _no_op() -> None:
+    pass
+
+
+def _check_failed(word: Array, after: Array) -> Array:
+    # The debug callback (a no-op) gives the step JAX's debug effect: JAX then dispatches it through its Python path,
+    # which raises the check's failure as JaxRuntimeError in every process model (the C++ fast path of a
+    # multi-process CPU job raised it as ValueError). Being in this branch, it runs only when the round trip failed.
+    jax.debug.callback(_no_op)
+    return check_now(word, after)
+
+
 def check_if_failed(word: Array, after: Array) -> Array:
     """check_now, run only when the status's code is non-zero (a conditional on the device): a round trip that
     succeeds costs no host callback and no synchronization; a failed one raises at its end, as check_now does.
     Returns `after`, bit for bit, made to depend on the conditional."""
-    return jax.lax.cond(word[CODE] != 0, check_now, lambda word, after: after, word, after)
+    return jax.lax.cond(word[CODE] != 0, _check_failed, lambda word, after: after, word, after)
 
 
 def _forget_own_failures() -> None:

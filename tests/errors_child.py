@@ -4,20 +4,23 @@
 
 VIEW: "shard_map" (per-shard calls inside the user's shard_map, under jax.jit), "global" (jax_moe_comm.dispatch and
 combine under jax.jit) or "eager" (jax_moe_comm.dispatch and combine, no jit). OUTCOME: "caught" (the step in a
-``try``; prints what was caught and exits) or "uncaught" (the error ends the process). The device count
-comes from the parent's XLA_FLAGS. Layer 1 of LAYERS (default 3; layer 0 when there is one) gets the id
-``num_experts`` on the last rank's token 1.
+``try``; prints what was caught and exits), "later" (a valid step first, then the failing one in a ``try``: the
+failing call of an already compiled step) or "uncaught" (the error ends the process). The device count comes from
+the parent's XLA_FLAGS, or under jax_moe_comm.launch one CPU device per process. Layer 1 of LAYERS (default 3; layer
+0 when there is one) gets the id ``num_experts`` on the last rank's token 1.
 """
 
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm as jmc
+from jax_moe_comm.launch import initialize_distributed
 
 E, K, H, T = 16, 2, 8, 4
 
@@ -46,17 +49,24 @@ def main(view: str, outcome: str, layers: int) -> None:
         step = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("ep"), P(None, "ep")), out_specs=P("ep")))
     else:
         step = jax.jit(global_view) if view == "global" else global_view
-    bad = np.tile(np.array([[0, 9]], np.int32), (layers, world * T, 1))
+    good = np.tile(np.array([[0, 9]], np.int32), (layers, world * T, 1))
+    bad = good.copy()
     bad[min(1, layers - 1), (world - 1) * T + 1, 0] = E
     x = np.ones((world * T, H), np.float32)
+    if jax.process_count() > 1:  # global arrays from every process's copy of the host data
+        def placed(a, spec):
+            return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda index: a[index])
+        x, good, bad = placed(x, P("ep")), placed(good, P(None, "ep")), placed(bad, P(None, "ep"))
 
+    if outcome == "later":
+        jax.block_until_ready(step(x, good))
     if outcome == "uncaught":
         jax.block_until_ready(step(x, bad))
         print("NO ERROR")
         return
     try:
         jax.block_until_ready(step(x, bad))
-    except jax.errors.JaxRuntimeError as exc:
+    except Exception as exc:  # noqa: BLE001 (what was raised is the result)
         print(f"CAUGHT {type(exc).__module__}.{type(exc).__qualname__} "
               f"is_jax_runtime_error={isinstance(exc, jax.errors.JaxRuntimeError)}")
         print("LAST LINE:", str(exc).splitlines()[-1])
@@ -66,5 +76,7 @@ def main(view: str, outcome: str, layers: int) -> None:
 
 
 if __name__ == "__main__":
+    if "JAX_COORDINATOR_ADDRESS" in os.environ:  # under jax_moe_comm.launch
+        initialize_distributed()
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 3)
     print("EXITING NORMALLY")

@@ -255,6 +255,26 @@ def test_a_caught_error_of_a_jitted_step_is_printed_once_and_nothing_at_exit(vie
     assert done.stdout.rstrip().endswith("EXITING NORMALLY"), output[-3000:]
 
 
+@pytest.mark.parametrize("view", ["shard_map", "global"])
+def test_a_later_step_of_a_multi_process_job_raises_a_jax_runtime_error(view):
+    """Two CPU processes under the launcher: a jitted step that has run once (a training loop's later step) fails
+    with the same type as its first call and as one process: jax.errors.JaxRuntimeError on every rank. (JAX's C++
+    dispatch path raised a callback's failure as ValueError there; the check's conditional branch gives the step
+    JAX's debug effect, which sends it through the Python path.)"""
+    env = standalone_cpu_env()
+    try:
+        done = subprocess.run([sys.executable, "-m", "jax_moe_comm.launch", "-n", "2", "--cpu", "--", str(CHILD), view,
+                               "later"], capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {view} step hung instead of raising")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] CAUGHT jax.errors.JaxRuntimeError is_jax_runtime_error=True" in done.stdout, \
+            output[-3000:]
+        assert f"[rank {rank}] LAST LINE: MoECommError: {CHILD_MESSAGE.format(rank=1)}" in done.stdout, output[-3000:]
+
+
 def test_an_uncaught_error_prints_one_traceback_ending_with_our_message():
     """Left uncaught, the error ends the process with Python's one traceback, whose last line is our message, and
     nothing after it."""
