@@ -134,7 +134,13 @@ NB_MODULE(_nvshmem_ext, m) {
   }, "Collective: after a failure, the context as created (waits for this device first).");
   m.def("host_failure", [](int64_t id) { return jmc::host_failure(context(id)); },
         "The first failure the device has told the host of and not yet cleared (status words; code 0: none).");
-  m.def("clear_host_failure", [](int64_t id) { jmc::clear_host_failure(context(id)); });
+  m.def("failure_raised", [](int64_t id) { jmc::failure_raised(context(id)); },
+        "The failure has been raised: a routing error is cleared, a protocol failure stays (until reset).");
+  m.def("unraised_failure", [](int64_t id) {
+    jmc::Context* ctx = context(id);
+    nb::gil_scoped_release released;
+    return jmc::unraised_failure(ctx);
+  }, "A failure no check has raised yet (status words; code 0: none), once this device is idle (waits for it).");
   m.def("job_on_nvlink", [](const std::vector<int32_t>& pe_of_rank) {
     std::string error;
     bool on_nvlink;

@@ -118,6 +118,7 @@ struct HostWords {
 struct HostState {
   uint32_t launched = 0;   // round trips this process has launched (checked) since creation or reset
   int64_t execution = -1;  // the XLA execution (run id) of the last check
+  bool raised = false;     // the protocol failure in HostWords has been raised (it stays there until reset)
 };
 
 struct Context {

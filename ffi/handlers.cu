@@ -218,7 +218,7 @@ ffi::Error Check(ffi::RunId run,
   }
   const std::vector<int32_t> failure = host_failure(&ctx);
   if (failure[kCode] == 0 || static_cast<uint32_t>(failure[kEpochWord]) > settled) return ffi::Error::Success();
-  if (!(failure[kCode] & kFatalCodes)) clear_host_failure(&ctx);
+  failure_raised(&ctx);
   --host.launched;  // this round trip does not run
   return ffi::Error(ffi::ErrorCode::kAborted, describe_failure(failure));
 }

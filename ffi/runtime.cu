@@ -348,6 +348,21 @@ std::vector<int32_t> host_failure(Context* ctx) {
   return out;
 }
 
+void failure_raised(Context* ctx) {
+  if (host_failure(ctx)[kCode] & kFatalCodes)
+    ctx->host_state->raised = true;
+  else
+    reinterpret_cast<volatile int32_t*>(ctx->host_view->failure)[kCode] = 0;
+}
+
+std::vector<int32_t> unraised_failure(Context* ctx) {
+  cudaDeviceSynchronize();  // a failed wait still leaves what the device reported
+  std::vector<int32_t> failure = host_failure(ctx);
+  if (failure[kCode] == 0 || ((failure[kCode] & kFatalCodes) && ctx->host_state->raised))
+    return std::vector<int32_t>(kStatusWords, 0);
+  return failure;
+}
+
 namespace {
 Messages& messages() {
   static Messages table;
@@ -384,7 +399,6 @@ std::string describe_failure(const std::vector<int32_t>& words) {
   return text + parts + ((code & kFatalCodes) ? m.fatal_suffix : "");
 }
 
-void clear_host_failure(Context* ctx) { reinterpret_cast<volatile int32_t*>(ctx->host_view->failure)[kCode] = 0; }
 
 #ifdef JMC_MEASUREMENT
 std::vector<uint64_t> take_kernel_marks(Context* ctx) {

@@ -62,7 +62,11 @@ std::string reset_context(Context* ctx);
 // The first failure the device has told the host of and not yet cleared (HostWords::failure; code 0: none), read
 // with no synchronisation.
 std::vector<int32_t> host_failure(Context* ctx);
-void clear_host_failure(Context* ctx);
+// The failure has been raised: a routing error is cleared (raised once), a protocol failure stays (every check raises
+// it until reset) and counts as raised.
+void failure_raised(Context* ctx);
+// A failure no check has raised yet (code 0: none), once this device has finished its queued work (waits for it).
+std::vector<int32_t> unraised_failure(Context* ctx);
 
 // The text of a failure (a status's words), from the templates jax_moe_comm/errors.py gives once (set_messages):
 // header (with {phase}, {rank}), one part per code bit (with {a}, {b}, {over} = a - b, {expected}: the phase named

@@ -7,8 +7,11 @@ and need no user-written shard_map.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
+import sys
+import weakref
 from typing import Any
 
 import jax
@@ -18,12 +21,27 @@ from jax import Array
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import autodiff, load, nvshmem_backend, reference, runtime
+from . import autodiff, errors, load, nvshmem_backend, reference, runtime
 from .config import Geometry, MoECommConfig, Options
 from .types import CombineHandle, Dispatched
 
 BACKENDS = ("auto", "nvshmem", "reference")
 COMBINE_DTYPES = [np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # this process's open NVSHMEM MoEComms with check_errors=True
+_exit_report_registered = False
+
+
+def _report_unraised_at_exit() -> None:
+    """At interpreter exit: the failure of each open NVSHMEM MoEComm that no check has raised (a failed last step whose
+    outputs nobody read, with no check after it) is printed once. Registered after NVSHMEM's finalize (initialize), so
+    it runs before it."""
+    for comm in list(_OPEN):
+        if comm._phases is not None:
+            text = nvshmem_backend.take_unraised(comm._phases.plan)
+            if text is not None:
+                print(f"{text} (reported at exit: no check raised it)", file=sys.stderr, flush=True)
 
 
 def _axis_names(name: str, value: Any) -> tuple[str, ...]:
@@ -118,8 +136,10 @@ class MoEComm:
           the same call, without a host synchronization per round trip. On the NVSHMEM backend a host-side check in
           front of each round trip raises a failure of the previous jitted call (its first round trip waits until
           the GPU has finished that call's round trips) or of this call from the second round trip after the failed
-          one (the host runs at most two round trips ahead of the GPU). On the reference backend every rank raises
-          at the end of the failed round trip (a host callback). ``check()`` raises one reported since.
+          one (the host runs at most two round trips ahead of the GPU); the failed step's own outputs are NaN and
+          read without error. ``check()`` raises one reported since; ``close()`` raises one that no check raised, and
+          at interpreter exit one is printed (stderr). On the reference backend every rank raises at the end of the
+          failed round trip (a host callback on the device's conditional: it runs only when the round trip failed).
         - "sync": at the end of the failed round trip on every backend (a host callback, which synchronizes the
           stream every round trip: for debugging).
         - False: nothing is raised; dispatch's own errors stay readable in ``handle.status``, and ``check()``
@@ -229,6 +249,12 @@ class MoEComm:
             impl, plan, grad_plan = reference, self._geo, grad_geo
         grad = None if grad_geo is None else autodiff.Phases(impl, grad_plan, grad_geo, self.combine_weights_at)
         self._phases = autodiff.Phases(impl, plan, self._geo, self.combine_weights_at, grad)
+        if self.backend == "nvshmem" and self.options.check_errors is True:  # failures raised later: see close()
+            global _exit_report_registered
+            _OPEN.add(self)
+            if not _exit_report_registered:
+                atexit.register(_report_unraised_at_exit)
+                _exit_report_registered = True
 
     @property
     def timeout_s(self) -> float:
@@ -266,12 +292,18 @@ class MoEComm:
             nvshmem_backend.reset_plan(self._phases.plan)  # and the backward's, which shares its state
 
     def close(self) -> None:
-        """Frees the NVSHMEM symmetric buffers (collective: every process closes its MoEComm in the same order)."""
+        """Frees the NVSHMEM symmetric buffers (collective: every process closes its MoEComm in the same order). With
+        check_errors=True it waits for this device's queued work first and then raises MoECommError for a failure that
+        no check has raised (after freeing: the MoEComm is closed either way)."""
         if self.backend == "nvshmem" and self._phases is not None:
+            unraised = nvshmem_backend.take_unraised(self._phases.plan) if self in _OPEN else None
             if self._phases.grad is not None:  # before the buffers it shares
                 nvshmem_backend.destroy_plan(self._phases.grad.plan)
             nvshmem_backend.destroy_plan(self._phases.plan)
             self._phases = None
+            _OPEN.discard(self)
+            if unraised is not None:
+                raise errors.MoECommError(unraised)
 
     # Static sizes ------------------------------------------------------------------------------------
     @property

@@ -324,9 +324,19 @@ def raise_pending(plan: Plan) -> None:
     words = _native.ext.host_failure(plan.ctx)
     if words[errors.CODE] == 0:
         return
-    if not words[errors.CODE] & errors.FATAL:
-        _native.ext.clear_host_failure(plan.ctx)
+    _native.ext.failure_raised(plan.ctx)
     errors.raise_if_failed(words)
+
+
+def take_unraised(plan: Plan) -> str | None:
+    """The text of a failure no check has raised yet, once this device has finished its queued work (it waits), now
+    counted as raised; None if there is none. For close() and interpreter exit: a failed step whose outputs nobody
+    read, and after which no check ran, is reported there."""
+    words = _native.ext.unraised_failure(plan.ctx)
+    if words[errors.CODE] == 0:
+        return None
+    _native.ext.failure_raised(plan.ctx)
+    return errors.describe(words)
 
 
 @pytree_dataclass

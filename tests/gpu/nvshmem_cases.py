@@ -634,6 +634,29 @@ def case_bad_ids(mesh, seed):
         comm.close()
 
 
+def case_unraised_failure_at_close(mesh, seed):
+    """A bad id in a step of one round trip whose outputs are read, with no call and no check after it: the
+    outputs are NaN and read without error; close() raises the failure (after freeing the buffers), once."""
+    world = mesh.shape["ep"]
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = make_comm(cfg, mesh, "nvshmem")
+    x, ids, w = bad_ids(mesh, 0, world)
+
+    @jax.jit
+    def f(x, i, w):
+        d = jmc.dispatch(comm, x, i)
+        return jmc.combine(comm, d.expert_x, d.handle, w)
+
+    y = np.asarray(gather(f(x, to_global(mesh, ids[0]), w)), np.float32)
+    assert np.isnan(y).all(), "the failed call gave numbers"
+    try:
+        comm.close()
+    except jmc.MoECommError as exc:
+        assert "expert id 99 of token 3 is outside [-1, num_experts)" in str(exc), str(exc)[:300]
+        return "outputs NaN, read; close() raised: " + str(exc).split("failed on ")[-1][:80]
+    raise AssertionError("close() raised nothing")
+
+
 def case_bad_ids_in_a_chain(mesh, seed, sync: bool = False):
     """Three round trips on one MoEComm in one call, a bad id in the first: the same call raises (the check of the
     third round trip, two after the failure; with check_errors="sync" the first's own callback), on every rank, at
@@ -891,6 +914,7 @@ def main() -> int:
         ("ids first: interleaved round trips", lambda s: ids_first(lambda: case_out_of_order(mesh, s))),
         ("bad expert id", lambda s: case_bad_ids(mesh, s)),
         ("bad expert id in a chain of 3 round trips", lambda s: case_bad_ids_in_a_chain(mesh, s)),
+        ("bad expert id, nothing after: close() raises it", lambda s: case_unraised_failure_at_close(mesh, s)),
         ("bad expert id in a chain, check_errors='sync'", lambda s: case_bad_ids_in_a_chain(mesh, s, sync=True)),
         ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: the timeouts last (3 s from here on)
         ("ids first: timeout (rank 1 skips)", lambda s: ids_first(lambda: case_timeout(mesh, s))),
