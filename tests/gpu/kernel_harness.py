@@ -15,7 +15,10 @@ for bit; `--marks` (the measurement build) times the fused kernels, or with --sp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
+import functools
+import json
 import os
 import sys
 import time
@@ -26,6 +29,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
                            + os.environ.get("JAX_NUM_PROCESSES", "2"))
 os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "2G")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: differential, oracle
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -205,20 +209,28 @@ def create_context(cfg, world, rank, pes=None, **options):
     return ctx, kernel_sizes(cfg, world, rank, _native.ext.sm_count(), opts.timeout_s, window)
 
 
-def reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize=False):
-    """The reference backend over `world` local CPU devices: (expert_x, scales, group_sizes, row_origin, y), global.
-    `quantize`: x is bf16 and the fp8 dispatch quantizes it (scales None)."""
+@functools.cache
+def _reference_round_trip(cfg, world, quantize):
+    """The jitted reference round trip of one config (compiled once for every case and draw that uses it)."""
     mesh = Mesh(np.array(jax.local_devices()[:world]), ("ep",))
     comm = jmc.MoEComm(cfg, mesh, "ep", backend="reference", check_errors=False)  # a failed one gives NaN
-
-    def put(a):
-        return None if a is None else jax.device_put(a, NamedSharding(mesh, P("ep")))
 
     @jax.jit
     def round_trip(x, ids, scales, n, w):
         d = jmc.dispatch(comm, x, ids, scales, n, quantize=cfg.dtype if quantize else None)
         y = (d.expert_x.astype(jnp.float32) * 1.5).astype(cfg.out_dtype)  # the stand-in expert of the GPU cases
         return d.expert_x, d.expert_scales, d.group_sizes, d.handle.row_origin, jmc.combine(comm, y, d.handle, w)
+
+    return mesh, round_trip
+
+
+def reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize=False):
+    """The reference backend over `world` local CPU devices: (expert_x, scales, group_sizes, row_origin, y), global.
+    `quantize`: x is bf16 and the fp8 dispatch quantizes it (scales None)."""
+    mesh, round_trip = _reference_round_trip(cfg, world, quantize)
+
+    def put(a):
+        return None if a is None else jax.device_put(a, NamedSharding(mesh, P("ep")))
 
     out = round_trip(put(x.astype(jnp.bfloat16 if quantize else cfg.dtype)), put(ids), put(scales), put(counts),
                      put(w))
@@ -735,6 +747,50 @@ FAULTS = {
 }
 
 
+def kernel_draws(world: int, count: int, seed: int) -> list[str]:
+    """`count` differential draws of one round trip at `world` PEs (tests/differential.py's generator: config, options,
+    routing and token counts together; two runs per config), as JSON: those the kernels run without a failure by
+    contract (ids in range; a capacity overflow only where it drops)."""
+    import differential
+
+    found: list[str] = []
+    for group in differential.sample(world, -(-count // 2), 2, seed, patterns=("one",)):
+        for draw in group:
+            s, inputs = draw.setup, draw.inputs
+            if inputs.routing == "bad_id":
+                inputs = dataclasses.replace(inputs, routing="uniform")
+            if s.overflow == "error":
+                s = dataclasses.replace(s, capacity=None, capacity_factor=None)
+            found.append(differential.Draw(s, inputs).to_json())
+    return found[:count]
+
+
+def run_kernel_draw(rank: int, world: int, text: str) -> str:
+    """One kernel draw (kernel_draws) through run_case: every send path and kernel the context runs, against the
+    reference; the options of the draw's MoEComm (staged, window, ids-first and low-latency thresholds)."""
+    import differential
+
+    draw = differential.Draw.from_json(text)
+    s, inputs = draw.setup, draw.inputs
+    options = {k: v for k, v in s.options if k != "prereduce_min_tokens"}  # the harness runs every weights place
+    options.setdefault("low_latency_max_tokens", 0)
+    kind = {"one_hot": "one_hot", "skewed": "skewed", "dropped": "dropped"}.get(inputs.routing, "uniform")
+    return run_case(rank, world, inputs.seed, s.config(), kind, repeats=1, options=options,
+                    quantize=s.payload == "quantize", partial=inputs.num_tokens != "full")
+
+
+def shared_json(rank: int, key: str, make) -> object:
+    """Rank 0's make() on every rank, through jax.distributed's key-value store (JSON)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return make()
+    if rank == 0:
+        client.key_value_set(f"jax_moe_comm/{key}", json.dumps(make()))
+    return json.loads(client.blocking_key_value_get(f"jax_moe_comm/{key}", 600_000))
+
+
 def shared_seed(rank: int, seed: int) -> int:
     """Rank 0's seed on every rank (every rank draws the same data), through jax.distributed's key-value store."""
     from jax._src import distributed
@@ -763,6 +819,9 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="MoEComm's timeout_s of the cases")
     parser.add_argument("--case-limit", type=float, default=280.0, help="seconds before a case that has not "
                         "returned dumps every stack and ends the rank (memcheck slows the kernels down)")
+    parser.add_argument("--differential", type=int, default=0, metavar="N",
+                        help="instead of the cases: N differential draws (tests/differential.py) of one round trip")
+    parser.add_argument("--replay", default="", metavar="JSON", help="instead of the cases: the one draw printed")
     args = parser.parse_args()
     rank, world = initialize_distributed()
     if _native.ext is None:
@@ -786,7 +845,13 @@ def main() -> int:
     cases = {name: (lambda r, w, s, c=case: run_entry(c, r, w, s)) for name, case in CASES.items()}
     if world >= 4:
         cases.update({name: (lambda r, w, s, c=case: ep_groups(r, w, s, *c)) for name, case in GROUP_CASES.items()})
-    for i, (name, case) in enumerate({**cases, **FAULTS}.items()):
+    cases = {**cases, **FAULTS}
+    if args.differential or args.replay:
+        texts = [args.replay] if args.replay else shared_json(rank, f"draws_{seed}", lambda: kernel_draws(
+            world, args.differential, seed))
+        cases = {f"draw {i}": (lambda r, w, s, t=text: run_kernel_draw(r, w, t)) for i, text in enumerate(texts)}
+        replay = dict(zip(cases, texts, strict=True))
+    for i, (name, case) in enumerate(cases.items()):
         if args.only and not any(p in name for p in args.only.split("|")):
             continue
         if args.staged and name.startswith("windowed"):
@@ -804,7 +869,11 @@ def main() -> int:
         faulthandler.cancel_dump_traceback_later()
         passed, failed = passed + ok, failed + (not ok)
         print(f"{'PASS' if ok else 'FAIL'} {name} ({time.time() - t0:.1f}s, seed {seed + i}): {info}", flush=True)
+        if not ok and (args.differential or args.replay):
+            print(f"  replay: tests/gpu/kernel_harness.py --replay '{replay[name]}'", flush=True)
     if rank == 0:
+        if args.differential:
+            print(f"differential: {passed + failed} draws, {failed} failures (world {world}, seed {seed})", flush=True)
         print(f"{passed} passed, {failed} failed", flush=True)
     _native.ext.finalize()
     return 1 if failed else 0

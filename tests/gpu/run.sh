@@ -18,7 +18,11 @@
 #                               measurement build); MARKS_ENVS="A=1;B=2" repeats them under each of those environments
 #                               MARKS_ARGS="--weights-to dispatch": weights given to dispatch where combine pre-reduces
 #   HARNESS=1                   the kernel harness's cases (no XLA: four kernels and the two fused ones) and its faults
-#                               (HARNESS_RANKS="2 4 8": at each of those world sizes; HARNESS_ONLY: their --only)
+#                               (HARNESS_RANKS="2 4 8": at each of those world sizes; HARNESS_ONLY: their --only;
+#                               HARNESS_CASES=0: not the cases; HARNESS_DIFFERENTIAL=N: then N differential draws)
+#   DIFFERENTIAL="S R [L]"      the differential tester through XLA (tests/gpu/differential.py), RANKS processes: S
+#                               setups (config, options, call pattern) of R runs each, against the oracle and the
+#                               reference backend (L: seconds after which no setup starts)
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
 #                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
@@ -103,6 +107,16 @@ grep -h "NVSHMEM up" "$LOGS"/two_nodes_*.log | tee -a "$OUT/summary.txt"
 step "two-node launch exit codes $rc0 $rc1"
 fi
 
+if [ -n "${DIFFERENTIAL:-}" ]; then  # "setups runs"
+  read -r d_setups d_runs d_limit <<< "$DIFFERENTIAL"
+  step "differential tester through XLA, ${RANKS:-2} rank(s): $d_setups setups x $d_runs runs"
+  timeout 900 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/differential.py --setups "$d_setups" \
+    --runs "$d_runs" --time-limit "${d_limit:-0}" > "$LOGS/differential.log" 2>&1
+  rc=$?
+  grep -E "^\[rank 0\] (FAIL|  replay|differential:|time limit)" "$LOGS/differential.log" | tee -a "$OUT/summary.txt"
+  step "differential exit code $rc"
+fi
+
 if [ "${TESTS:-1}" != 0 ]; then  # TESTS=cases: the cases alone
 step "NVSHMEM vs reference cases, ${RANKS:-2} rank(s)"
 timeout 900 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/nvshmem_cases.py --bootstrap "${BOOTSTRAP:-auto}" \
@@ -113,6 +127,15 @@ rc=$?
 case_results "$LOGS/cases.log"
 step "cases exit code $rc"
 fi
+
+if [ "${TESTS:-1}" != 0 ]; then  # a failure no check raised is printed once at exit
+step "an unraised failure at exit, ${RANKS:-2} rank(s)"
+timeout 120 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/unraised_at_exit.py > "$LOGS/unraised.log" 2>&1
+rc=$?
+step "unraised at exit: exit code $rc, outputs read: $(grep -c '^\[rank 0\] OUTPUTS NaN' "$LOGS/unraised.log"), \
+message printed by rank 0: $(grep '^\[rank 0\]' "$LOGS/unraised.log" | grep -c 'expert id 99 of token 3 is outside')"
+fi
+
 
 if [ "${TESTS:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
 step "demo through the launcher"
@@ -166,12 +189,22 @@ fi
 if [ "${HARNESS:-0}" = 1 ]; then  # HARNESS_RANKS="2 4 8": once per world size; HARNESS_ONLY: its --only
   for n in ${HARNESS_RANKS:-2}; do
     shared=""; [ "${SHARED_GPU:-0}" = 1 ] && shared="CUDA_VISIBLE_DEVICES=0$(printf ',0%.0s' $(seq 2 $n))"
-    step "kernel harness cases, $n ranks (no XLA on the GPU)${shared:+, every rank on GPU 0}"
-    env $shared NVSHMEM_DISABLE_NCCL=1 timeout 400 python3 -m jax_moe_comm.launch -n $n \
-      -- tests/gpu/kernel_harness.py ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} > "$LOGS/harness_$n.log" 2>&1
-    rc=$?
-    case_results "$LOGS/harness_$n.log"
-    step "kernel harness ($n ranks) exit code $rc"
+    if [ "${HARNESS_CASES:-1}" = 1 ]; then
+      step "kernel harness cases, $n ranks (no XLA on the GPU)${shared:+, every rank on GPU 0}"
+      env $shared NVSHMEM_DISABLE_NCCL=1 timeout 400 python3 -m jax_moe_comm.launch -n $n \
+        -- tests/gpu/kernel_harness.py ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} > "$LOGS/harness_$n.log" 2>&1
+      rc=$?
+      case_results "$LOGS/harness_$n.log"
+      step "kernel harness ($n ranks) exit code $rc"
+    fi
+    if [ -n "${HARNESS_DIFFERENTIAL:-}" ]; then
+      step "kernel harness: $HARNESS_DIFFERENTIAL differential draws, $n ranks${shared:+, every rank on GPU 0}"
+      env $shared NVSHMEM_DISABLE_NCCL=1 timeout 600 python3 -m jax_moe_comm.launch -n $n \
+        -- tests/gpu/kernel_harness.py --differential "$HARNESS_DIFFERENTIAL" > "$LOGS/harness_differential_$n.log" 2>&1
+      rc=$?
+      grep -E "^\[rank 0\] (FAIL|  replay|differential:)" "$LOGS/harness_differential_$n.log" | tee -a "$OUT/summary.txt"
+      step "kernel harness differential ($n ranks) exit code $rc"
+    fi
   done
 fi
 if [ "${PROBE:-0}" = 1 ]; then

@@ -1,0 +1,35 @@
+"""The differential tester's CPU sample (tests/differential.py): the reference backend with the custom VJP (the
+rules the NVSHMEM backend differentiates with) against the NumPy oracle and plain AD, over generated Setups: every
+option with every other and every call pattern, at 1, 2, 4 and 8 ranks.
+
+The sample is seeded (the same draws every run; MOE_DIFFERENTIAL_SEED draws others). A failure prints the draw and
+the command that replays it. The NVSHMEM backend runs the same tester on the GPU (tests/gpu/differential.py, and
+kernel_harness.py --differential).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import differential
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+SEED = int(os.environ.get("MOE_DIFFERENTIAL_SEED", 20261202))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_a_seeded_sample_of_the_option_space_agrees_with_the_oracle_and_plain_ad(world):
+    mesh = Mesh(np.array(jax.devices()[:world]), ("ep",))
+    failures = []
+    for group in differential.sample(world, setups_wanted=5, runs_per_setup=2, seed=SEED + world, small=True):
+        compiled = differential.compile_setup(group[0].setup, mesh, "reference")
+        for draw in group:
+            problem = differential.run_inputs(compiled, draw.inputs)
+            if problem is not None:
+                failures.append(f"{problem}\n  replay: {sys.executable} tests/differential.py '{draw.to_json()}'")
+        compiled.close()
+    assert not failures, "\n".join(failures)
