@@ -1,10 +1,6 @@
 // XLA FFI handlers: unpack buffers, find the Context by its id (the `context` attribute), launch the phase's kernel on
 // XLA's stream. No host synchronisation and no collective host work happens here. Shapes: T = max_tokens, H = hidden,
 // K = experts per token, B = the fp8 scale block, C = capacity, L = local experts; "status" is int32[kStatusWords].
-//
-// Every handler's last result is a token, never written: XLA:GPU's dynamic-slice fusion takes no custom call with a
-// token result. Without it, XLA cloned a call whose operand was a slice of a loop's buffer (a lax.scan's residuals,
-// under jax.checkpoint) into such a fusion and kept the original as well: the phase ran twice per iteration.
 #include <chrono>
 #include <string>
 #include <thread>
@@ -60,7 +56,6 @@ ffi::Error DispatchSend(cudaStream_t stream,
                         ffi::Buffer<ffi::F32> topk_weights,    // [T, K] stored with the ids (NVLink path), or [0]
                         ffi::AnyBuffer /*after*/,              // any
                         ffi::Result<ffi::Buffer<ffi::S32>> status,  // this phase's status
-                        ffi::Result<ffi::Token> /*unfusable*/,  // never written (see the top)
                         int64_t context) {
   DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                      status->typed_data(), topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
@@ -77,7 +72,6 @@ ffi::Error DispatchRecv(cudaStream_t stream,
                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,    // [L]
                         ffi::Result<ffi::Buffer<ffi::S32>> row_origin,     // [C] (group * T + token) * K + slot
                         ffi::Result<ffi::Buffer<ffi::S32>> status,         // this phase's status
-                        ffi::Result<ffi::Token> /*unfusable*/,  // never written (see the top)
                         int64_t context) {
   DispatchRecvArgs a{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
                      row_origin->typed_data(), status->typed_data()};
@@ -91,7 +85,6 @@ ffi::Error CombineSend(cudaStream_t stream,
                        ffi::Buffer<ffi::S32> row_origin,            // [C] from dispatch
                        ffi::Buffer<ffi::F32> topk_weights,          // [T, K]: pre-reduce (NVLink path); [0]: per slot
                        ffi::Result<ffi::Buffer<ffi::S32>> status,   // this phase's status
-                       ffi::Result<ffi::Token> /*unfusable*/,  // never written (see the top)
                        int64_t context, int64_t partial_type, int64_t weights_sent) {
   CombineSendArgs a{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
                     row_origin.typed_data(), status->typed_data(),
@@ -109,7 +102,6 @@ ffi::Error CombineRecv(cudaStream_t stream,
                        ffi::Buffer<ffi::S32> num_tokens,            // []
                        ffi::Result<ffi::AnyBuffer> out,             // [T, H] out_dtype
                        ffi::Result<ffi::Buffer<ffi::S32>> status,   // the round trip's status (every rank's)
-                       ffi::Result<ffi::Token> /*unfusable*/,  // never written (see the top)
                        int64_t context, int64_t rows_type, int64_t reduced) {
   CombineRecvArgs a{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
                     static_cast<int>(rows_type), row_type(out->element_type()), status->typed_data(), reduced != 0};
@@ -130,7 +122,6 @@ ffi::Error Dispatch(cudaStream_t stream,
                     ffi::Result<ffi::Buffer<ffi::S32>> row_origin,     // [C]
                     ffi::Result<ffi::Buffer<ffi::S32>> send_status,    // the send's status
                     ffi::Result<ffi::Buffer<ffi::S32>> recv_status,    // the receive's status
-                    ffi::Result<ffi::Token> /*unfusable*/,  // never written (see the top)
                     int64_t context) {
   DispatchSendArgs send{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                         send_status->typed_data(),
@@ -154,7 +145,6 @@ ffi::Error Combine(cudaStream_t stream,
                    ffi::Result<ffi::AnyBuffer> out,                  // [T, H] out_dtype
                    ffi::Result<ffi::Buffer<ffi::S32>> send_status,   // the send's status
                    ffi::Result<ffi::Buffer<ffi::S32>> recv_status,   // the round trip's status (every rank's)
-                   ffi::Result<ffi::Token> /*unfusable*/,  // never written (see the top)
                    int64_t context, int64_t reduced, int64_t weights_sent) {
   const int in_dtype = row_type(expert_y.element_type()), out_dtype = row_type(out->element_type());
   CombineSendArgs send{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
@@ -173,7 +163,6 @@ ffi::Error Probe(cudaStream_t stream,
                  ffi::AnyBuffer x,                           // any, a multiple of 16 bytes
                  ffi::Result<ffi::AnyBuffer> out,            // x's shape: what the previous rank sent
                  ffi::Result<ffi::Buffer<ffi::S32>> status,  // a timeout's status
-                 ffi::Result<ffi::Token> /*unfusable*/,  // never written (see the top)
                  int64_t context, int64_t flagged) {
   return with_context(context, "probe", [&](const Context& c) {
     return launch_probe(c, x.untyped_data(), out->untyped_data(), static_cast<long long>(x.size_bytes()),
@@ -194,7 +183,6 @@ ffi::Error Probe(cudaStream_t stream,
 ffi::Error Check(ffi::RunId run,
                  ffi::AnyBuffer /*after*/,                   // orders the check after the previous round trip
                  ffi::Result<ffi::Buffer<ffi::S32>> /*token*/,  // [1]: the dispatch's `after`
-                 ffi::Result<ffi::Token> /*unfusable*/,  // never written (see the top)
                  int64_t context, int64_t lag) {
   Context* found = find_context(context);
   if (found == nullptr) return ffi::Error::InvalidArgument("jax_moe_comm: this MoEComm was closed");
@@ -231,7 +219,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_check, jmc::Check,
                                   .Ctx<ffi::RunId>()
                                   .Arg<ffi::AnyBuffer>()          // after
                                   .Ret<ffi::Buffer<ffi::S32>>()   // token
-                                  .Ret<ffi::Token>()        // unfusable
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("lag"));
 
@@ -245,7 +232,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Arg<ffi::AnyBuffer>()          // after
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()        // unfusable
                                   .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_recv, jmc::DispatchRecv,
@@ -257,7 +243,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_recv, jmc::DispatchRecv,
                                   .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes
                                   .Ret<ffi::Buffer<ffi::S32>>()   // row_origin
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()        // unfusable
                                   .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
@@ -267,7 +252,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // row_origin
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()        // unfusable
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("partial_type")
                                   .Attr<int64_t>("weights_sent"));
@@ -281,7 +265,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()        // unfusable
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("rows_type")
                                   .Attr<int64_t>("reduced"));
@@ -301,7 +284,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch, jmc::Dispatch,
                                   .Ret<ffi::Buffer<ffi::S32>>()   // row_origin
                                   .Ret<ffi::Buffer<ffi::S32>>()   // send_status
                                   .Ret<ffi::Buffer<ffi::S32>>()   // recv_status
-                                  .Ret<ffi::Token>()        // unfusable
                                   .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine, jmc::Combine,
@@ -315,7 +297,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine, jmc::Combine,
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::S32>>()   // send_status
                                   .Ret<ffi::Buffer<ffi::S32>>()   // recv_status
-                                  .Ret<ffi::Token>()        // unfusable
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("reduced")
                                   .Attr<int64_t>("weights_sent"));
@@ -327,7 +308,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_probe, jmc::Probe,
                                   .Arg<ffi::AnyBuffer>()          // x
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()        // unfusable
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("flagged"));
 #endif

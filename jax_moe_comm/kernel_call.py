@@ -5,8 +5,8 @@ refuses ("Effects not supported in partial-eval of checkpoint/remat"). A round t
 (never dropped, never merged), and it may be recomputed: a recomputed round trip is one round trip more, run by every
 rank at the same point of the same program, so the protocol stays in step (docs/design.md, "One buffer set for a
 whole model"). So the calls go through this primitive, with an effect of its own that is allowed under remat, custom
-derivatives and control flow, and lowered like ffi_call's (an FFI custom call with has_side_effect) with one more
-result, a token (see _lowering).
+derivatives and control flow, and lowered like ffi_call's (an FFI custom call with has_side_effect) between
+optimization barriers (see _lowering).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 from jax._src import core, effects  # no public API registers an effect type or its permissions
+from jax._src.lib.mlir.dialects import hlo  # the optimization barrier's op (as JAX's own lowerings build it)
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -50,13 +51,15 @@ kernel_call_p.def_effectful_abstract_eval(_abstract_eval)
 
 
 def _lowering(ctx, *operands, target: str, results: tuple, attributes: tuple):
-    """ffi_call's lowering, plus a token result that nothing reads: XLA:GPU's dynamic-slice fusion takes no custom call
-    with a token result. It cloned a call whose operand was a slice of a loop's buffer (a lax.scan of checkpointed
-    layers reads its residuals so) into a fusion and kept the original too: the kernel then ran twice (every handler
-    in ffi/handlers.cu declares the token)."""
+    """ffi_call's lowering, between optimization barriers: XLA:GPU's dynamic-slice fusion clones a custom call whose
+    operand is a slice of a loop's buffer (a lax.scan's per-layer inputs) or whose result goes into one (a lax.scan
+    stacking residuals for the backward pass, under jax.checkpoint the calls' own results), side effect or not, and
+    keeps the original: the kernel then ran twice per iteration. Between barriers (no copy, no kernel) no operand
+    and no result of the call matches such a pattern, whoever uses them."""
     del results
-    with_token = ctx.replace(avals_out=[*ctx.avals_out, core.abstract_token])
-    return jax.ffi.ffi_lowering(target, has_side_effect=True)(with_token, *operands, **dict(attributes))[:-1]
+    operands = hlo.OptimizationBarrierOp(operands).results if operands else operands
+    outs = jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *operands, **dict(attributes))
+    return hlo.OptimizationBarrierOp(outs).results if outs else outs
 
 
 mlir.register_lowering(kernel_call_p, _lowering, platform="cuda")
