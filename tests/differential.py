@@ -16,7 +16,7 @@ Each run compares the backend under test with
     run_draw(draw, backend)    # one draw: None, or what differs
     replay(json_text, backend) # the draw a failure printed
 
-On the GPU, tests/gpu/differential.py runs the NVSHMEM backend this way (world 1 through XLA); on the CPU,
+On the GPU, tests/gpu/xla_differential.py runs the NVSHMEM backend this way (world 1 through XLA); on the CPU,
 tests/test_differential.py runs a seeded sample with the reference backend's custom VJP under test.
 """
 

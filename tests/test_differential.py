@@ -3,7 +3,7 @@ rules the NVSHMEM backend differentiates with) against the NumPy oracle and plai
 option with every other and every call pattern, at 1, 2, 4 and 8 ranks.
 
 The sample is seeded (the same draws every run; MOE_DIFFERENTIAL_SEED draws others). A failure prints the draw and
-the command that replays it. The NVSHMEM backend runs the same tester on the GPU (tests/gpu/differential.py, and
+the command that replays it. The NVSHMEM backend runs the same tester on the GPU (tests/gpu/xla_differential.py, and
 kernel_harness.py --differential).
 """
 

@@ -20,7 +20,7 @@
 #   HARNESS=1                   the kernel harness's cases (no XLA: four kernels and the two fused ones) and its faults
 #                               (HARNESS_RANKS="2 4 8": at each of those world sizes; HARNESS_ONLY: their --only;
 #                               HARNESS_CASES=0: not the cases; HARNESS_DIFFERENTIAL=N: then N differential draws)
-#   DIFFERENTIAL="S R [L]"      the differential tester through XLA (tests/gpu/differential.py), RANKS processes: S
+#   DIFFERENTIAL="S R [L]"      the differential tester through XLA (tests/gpu/xla_differential.py), RANKS processes: S
 #                               setups (config, options, call pattern) of R runs each, against the oracle and the
 #                               reference backend (L: seconds after which no setup starts)
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
@@ -110,7 +110,7 @@ fi
 if [ -n "${DIFFERENTIAL:-}" ]; then  # "setups runs"
   read -r d_setups d_runs d_limit <<< "$DIFFERENTIAL"
   step "differential tester through XLA, ${RANKS:-2} rank(s): $d_setups setups x $d_runs runs"
-  timeout 900 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/differential.py --setups "$d_setups" \
+  timeout 900 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/xla_differential.py --setups "$d_setups" \
     --runs "$d_runs" --time-limit "${d_limit:-0}" > "$LOGS/differential.log" 2>&1
   rc=$?
   grep -E "^\[rank 0\] (FAIL|  replay|differential:|time limit)" "$LOGS/differential.log" | tee -a "$OUT/summary.txt"

@@ -1,7 +1,7 @@
 """The differential tester (tests/differential.py) on the NVSHMEM backend through XLA, one process per GPU.
 
-    python -m jax_moe_comm.launch -n 1 -- tests/gpu/differential.py --setups 50 --runs 4 [--seed S]
-    python -m jax_moe_comm.launch -n 1 -- tests/gpu/differential.py --replay '<a draw's JSON>'
+    python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --setups 50 --runs 4 [--seed S]
+    python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --replay '<a draw's JSON>'
 
 Draws `setups` Setups (config, options, call pattern) with `runs` inputs each; each Setup is compiled once for its
 runs. Every run is compared with the oracle (one round trip) or the reference backend with plain AD (the patterns).
@@ -75,7 +75,7 @@ def main() -> int:
             draws, failures = draws + 1, failures + (problem is not None)
             if problem is not None and jax.process_index() == 0:
                 print(f"FAIL {problem}\n  replay: python -m jax_moe_comm.launch -n {world} -- "
-                      f"tests/gpu/differential.py --replay '{draw.to_json()}'", flush=True)
+                      f"tests/gpu/xla_differential.py --replay '{draw.to_json()}'", flush=True)
         if jax.process_index() == 0:
             print(f"setup {setup.pattern} {setup.payload} E{setup.E} K{setup.K} H{setup.H} T{setup.T} "
                   f"{dict(setup.options)} {setup.weights_at} ({time.time() - t0:.1f}s): "
