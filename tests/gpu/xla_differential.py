@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--setup-limit", type=float, default=240.0,
                         help="seconds after which a Setup that has not finished dumps every stack and ends the rank")
     args = parser.parse_args()
+    faulthandler.enable()  # a crash prints every thread's stack
     initialize_distributed()
     jmc.initialize(symmetric_size="8G")
     world = jax.process_count()
@@ -54,6 +55,8 @@ def main() -> int:
             print(f"time limit: {len(groups) - groups.index(group)} setups not run", flush=True)
             break
         setup = group[0].setup
+        if jax.process_index() == 0:  # before it runs: a crash names the draw
+            print(f"running {group[0].to_json()}", flush=True)
         faulthandler.dump_traceback_later(args.setup_limit, exit=True)
         t0 = time.time()
         try:
