@@ -611,19 +611,24 @@ def bad_ids(mesh, bad_layer: int, world: int) -> tuple:
     return x, ids, w
 
 
+def bad_id_step(mesh):
+    """(comm, a jitted step of one round trip, x, ids[layers], w): the inputs of bad_ids, layer 0's ids bad."""
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = make_comm(cfg, mesh, "nvshmem")
+
+    @jax.jit
+    def step(x, i, w):
+        d = jmc.dispatch(comm, x, i)
+        return jmc.combine(comm, d.expert_x, d.handle, w)
+
+    return (comm, step, *bad_ids(mesh, 0, mesh.shape["ep"]))
+
+
 def case_bad_ids(mesh, seed):
     """An expert id >= E on every rank, one round trip per call: the call completes everywhere with NaN, the next
     call raises the message, and the call after it (valid ids) is correct: a routing error is raised once."""
     world = mesh.shape["ep"]
-    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = make_comm(cfg, mesh, "nvshmem")
-    x, ids, w = bad_ids(mesh, 0, world)
-
-    @jax.jit
-    def f(x, i, w):
-        d = jmc.dispatch(comm, x, i)
-        return jmc.combine(comm, d.expert_x, d.handle, w)
-
+    comm, f, x, ids, w = bad_id_step(mesh)
     try:
         said = deferred_raise(lambda: f(x, to_global(mesh, ids[0]), w),
                               "expert id 99 of token 3 is outside [-1, num_experts)")
@@ -637,16 +642,7 @@ def case_bad_ids(mesh, seed):
 def case_unraised_failure_at_close(mesh, seed):
     """A bad id in a step of one round trip whose outputs are read, with no call and no check after it: the
     outputs are NaN and read without error; close() raises the failure (after freeing the buffers), once."""
-    world = mesh.shape["ep"]
-    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = make_comm(cfg, mesh, "nvshmem")
-    x, ids, w = bad_ids(mesh, 0, world)
-
-    @jax.jit
-    def f(x, i, w):
-        d = jmc.dispatch(comm, x, i)
-        return jmc.combine(comm, d.expert_x, d.handle, w)
-
+    comm, f, x, ids, w = bad_id_step(mesh)
     y = np.asarray(gather(f(x, to_global(mesh, ids[0]), w)), np.float32)
     assert np.isnan(y).all(), "the failed call gave numbers"
     try:
