@@ -399,7 +399,6 @@ std::string describe_failure(const std::vector<int32_t>& words) {
   return text + parts + ((code & kFatalCodes) ? m.fatal_suffix : "");
 }
 
-
 #ifdef JMC_MEASUREMENT
 std::vector<uint64_t> take_kernel_marks(Context* ctx) {
   std::vector<uint64_t> marks(kPhases * kMarks, 0);
