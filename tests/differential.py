@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import oracle
+from host_gather import host_gather
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -350,10 +351,6 @@ def _global(mesh: Mesh, a: np.ndarray | None, spec: P = EP):
     return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda index: a[index])
 
 
-def _host(tree):
-    return jax.tree.map(np.asarray, tree)
-
-
 def _expected_one(setup: Setup, arr: Arrays):
     """The oracle's layout per rank, combine [world, T, H], expert counts [E], and the contract's error text (or
     None)."""
@@ -582,7 +579,7 @@ def run_inputs(c: Compiled, inp: Inputs) -> str | None:
         args = [_global(mesh, a) for a in (x, arr.ids, arr.scales, arr.num_tokens, arr.weights)]
         error = _expected_one(setup, arr)[3]
         try:
-            got = _host(c.fn(*args))
+            got = host_gather(c.fn(*args))
             if c.backend == "nvshmem" and setup.check_errors is not False:
                 c.comm.check()  # raises a failure the device reported (routing errors: once)
         except jax.errors.JaxRuntimeError as exc:
@@ -602,7 +599,7 @@ def run_inputs(c: Compiled, inp: Inputs) -> str | None:
             n = _per_group(rng.integers(0, setup.T + 1, setup.world).reshape(setup.world, 1).astype(np.int32),
                            setup.world, setup.dp_size, 1).reshape(setup.world)
             args = pattern_args(mesh, arr, n)
-            got, want = _host(c.fn(*args)), _host(c.reference_fn(*args))
+            got, want = host_gather(c.fn(*args)), host_gather(c.reference_fn(*args))
             problem = compare_trees(got, want, tol, f"decode (num_tokens {n.tolist()})")
             if problem:
                 return problem
@@ -611,7 +608,7 @@ def run_inputs(c: Compiled, inp: Inputs) -> str | None:
             return f"the decode step compiled {size()} times"
         return None
     args = pattern_args(mesh, arr)
-    got, want = _host(c.fn(*args)), _host(c.reference_fn(*args))
+    got, want = host_gather(c.fn(*args)), host_gather(c.reference_fn(*args))
     if setup.dp_size > 1 and isinstance(got, dict) and "dx" in got:
         # A DP group's replicas hold the same tokens: the custom VJP guarantees their gradients' sum (the weights'
         # cotangent is shared out equally, see autodiff.py), which is what reaches anything computed before them.

@@ -10,12 +10,15 @@ kernel_harness.py --differential).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import differential
 import jax
 import numpy as np
 import pytest
+from conftest import standalone_cpu_env
 from jax.sharding import Mesh
 
 SEED = int(os.environ.get("MOE_DIFFERENTIAL_SEED", 20261202))
@@ -33,3 +36,16 @@ def test_a_seeded_sample_of_the_option_space_agrees_with_the_oracle_and_plain_ad
                 failures.append(f"{problem}\n  replay: {sys.executable} tests/differential.py '{draw.to_json()}'")
         compiled.close()
     assert not failures, "\n".join(failures)
+
+
+def test_a_sample_across_two_processes_gathers_without_collectives_and_agrees():
+    """The GPU runner itself (tests/gpu/xla_differential.py) on two CPU processes under the launcher, the reference
+    backend under test: global arrays built from each process's host data, results gathered through the
+    jax.distributed key-value store (tests/host_gather.py: no XLA collective, as processes sharing one GPU need)."""
+    runner = Path(__file__).resolve().parent / "gpu" / "xla_differential.py"
+    done = subprocess.run([sys.executable, "-m", "jax_moe_comm.launch", "-n", "2", "--cpu", "--", str(runner),
+                           "--backend", "reference", "--small", "--setups", "3", "--runs", "2", "--seed", str(SEED)],
+                          capture_output=True, text=True, timeout=600, env=standalone_cpu_env())
+    output = done.stdout + done.stderr
+    assert "[rank 0] differential: 6 draws, 0 failures (world 2" in done.stdout, output[-4000:]
+    assert done.returncode == 0, output[-4000:]

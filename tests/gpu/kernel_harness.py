@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import faulthandler
 import functools
-import json
 import os
 import sys
 import time
@@ -35,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from cuda.bindings import runtime as cudart  # noqa: E402
+from host_gather import from_process_0  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from nvshmem_cases import TOLERANCE, replicate_groups, routing, window_bound  # noqa: E402
@@ -779,30 +779,6 @@ def run_kernel_draw(rank: int, world: int, text: str) -> str:
                     quantize=s.payload == "quantize", partial=inputs.num_tokens != "full")
 
 
-def shared_json(rank: int, key: str, make) -> object:
-    """Rank 0's make() on every rank, through jax.distributed's key-value store (JSON)."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        return make()
-    if rank == 0:
-        client.key_value_set(f"jax_moe_comm/{key}", json.dumps(make()))
-    return json.loads(client.blocking_key_value_get(f"jax_moe_comm/{key}", 600_000))
-
-
-def shared_seed(rank: int, seed: int) -> int:
-    """Rank 0's seed on every rank (every rank draws the same data), through jax.distributed's key-value store."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        return seed
-    if rank == 0:
-        client.key_value_set("jax_moe_comm/kernel_harness_seed", str(seed))
-    return int(client.blocking_key_value_get("jax_moe_comm/kernel_harness_seed", 60_000))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
@@ -830,7 +806,7 @@ def main() -> int:
     uid = runtime._share_unique_id(rank, world, 120.0)
     if _native.ext.init(uid, rank, world, 0) != 0:
         raise SystemExit("NVSHMEM initialization failed")
-    seed = shared_seed(rank, args.seed)
+    seed = from_process_0("kernel_harness_seed", lambda: args.seed)  # every rank draws the same data
     RUN.update(timeout_s=args.timeout_s, staged=args.staged)
     if args.marks:
         if not _native.ext.measurement_build():
@@ -847,7 +823,7 @@ def main() -> int:
         cases.update({name: (lambda r, w, s, c=case: ep_groups(r, w, s, *c)) for name, case in GROUP_CASES.items()})
     cases = {**cases, **FAULTS}
     if args.differential or args.replay:
-        texts = [args.replay] if args.replay else shared_json(rank, f"draws_{seed}", lambda: kernel_draws(
+        texts = [args.replay] if args.replay else from_process_0(f"draws_{seed}", lambda: kernel_draws(
             world, args.differential, seed))
         cases = {f"draw {i}": (lambda r, w, s, t=text: run_kernel_draw(r, w, t)) for i, text in enumerate(texts)}
         replay = dict(zip(cases, texts, strict=True))

@@ -1,7 +1,9 @@
-"""The differential tester (tests/differential.py) on the NVSHMEM backend through XLA, one process per GPU.
+"""The differential tester (tests/differential.py) on the NVSHMEM backend through XLA, one process per GPU (or
+several processes sharing one: the checking code issues no XLA collective, see tests/host_gather.py).
 
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --setups 50 --runs 4 [--seed S]
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --replay '<a draw's JSON>'
+    python -m jax_moe_comm.launch -n 2 --cpu -- tests/gpu/xla_differential.py --backend reference ...   # CPU
 
 Draws `setups` Setups (config, options, call pattern) with `runs` inputs each; each Setup is compiled once for its
 runs. Every run is compared with the oracle (one round trip) or the reference backend with plain AD (the patterns).
@@ -34,6 +36,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=4, help="inputs per Setup (one compilation)")
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
     parser.add_argument("--replay", default="", metavar="JSON", help="one draw, as a failure printed it")
+    parser.add_argument("--small", action="store_true", help="rows of at most 256 elements, at most 65 tokens")
+    parser.add_argument("--backend", default="nvshmem", choices=("nvshmem", "reference"),
+                        help="the backend under test (reference: its custom VJP, on any platform)")
     parser.add_argument("--time-limit", type=float, default=0.0,
                         help="seconds after which no further Setup starts (0: none); the summary counts what ran")
     parser.add_argument("--setup-limit", type=float, default=240.0,
@@ -41,13 +46,14 @@ def main() -> int:
     args = parser.parse_args()
     faulthandler.enable()  # a crash prints every thread's stack
     initialize_distributed()
-    jmc.initialize(symmetric_size="8G")
+    if args.backend == "nvshmem":
+        jmc.initialize(symmetric_size="8G")
     world = jax.process_count()
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     if args.replay:
         groups = [[differential.Draw.from_json(args.replay)]]
     else:
-        groups = differential.sample(world, args.setups, args.runs, args.seed)
+        groups = differential.sample(world, args.setups, args.runs, args.seed, small=args.small)
     draws = failures = 0
     t_start = time.time()
     for group in groups:
@@ -60,7 +66,7 @@ def main() -> int:
         faulthandler.dump_traceback_later(args.setup_limit, exit=True)
         t0 = time.time()
         try:
-            compiled = differential.compile_setup(setup, mesh, "nvshmem")
+            compiled = differential.compile_setup(setup, mesh, args.backend)
         except Exception as exc:  # a Setup that does not build fails all its runs
             traceback.print_exc()
             compiled, problems = None, [f"building: {type(exc).__name__}: {str(exc)[:300]}"] * len(group)
@@ -78,7 +84,7 @@ def main() -> int:
             draws, failures = draws + 1, failures + (problem is not None)
             if problem is not None and jax.process_index() == 0:
                 print(f"FAIL {problem}\n  replay: python -m jax_moe_comm.launch -n {world} -- "
-                      f"tests/gpu/xla_differential.py --replay '{draw.to_json()}'", flush=True)
+                      f"tests/gpu/xla_differential.py --backend {args.backend} --replay '{draw.to_json()}'", flush=True)
         if jax.process_index() == 0:
             print(f"setup {setup.pattern} {setup.payload} E{setup.E} K{setup.K} H{setup.H} T{setup.T} "
                   f"{dict(setup.options)} {setup.weights_at} ({time.time() - t0:.1f}s): "
