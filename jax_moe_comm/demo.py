@@ -28,14 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm
 from jax_moe_comm import nvshmem_backend, runtime
 from jax_moe_comm._cli import prepare_process
-from jax_moe_comm.launch import initialize_distributed
+from jax_moe_comm.launch import host_gather, initialize_distributed
 
 AXIS = "ep"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -274,8 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     y, topk_ids, _, group_sizes = layer(x, w)
 
     # Check (every process, so that all exit with the same status): gather the global results to the host.
-    y, topk_ids, group_sizes = (np.asarray(multihost_utils.process_allgather(a, tiled=True))
-                                for a in (y, topk_ids, group_sizes))
+    y, topk_ids, group_sizes = host_gather((y, topk_ids, group_sizes))
     y_dense, logits = dense_reference(x_host, w_host, topk_ids)
     error, tol = relative_error(y.astype(np.float32), y_dense), TOLERANCE[args.dtype]
     router_ok = picks_are_top_k(logits, topk_ids)

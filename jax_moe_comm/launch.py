@@ -36,6 +36,9 @@ The worker script joins the job before touching any JAX device::
 
     process_id, num_processes = initialize_distributed()   # also under SLURM / Open MPI; (0, 1) alone
 
+Checking results on the host without an XLA collective (which processes sharing one GPU cannot run):
+``host_gather(tree)`` gives every process the global values, ``from_process_0(key, make)`` process 0's value.
+
 Lifetime: SIGINT/SIGTERM sent to the launcher are forwarded to every worker. As soon as one worker exits with a
 non-zero status the others get SIGTERM, then SIGKILL after the grace period, and the launcher exits with the
 status of that first failure (128 + signal number for a worker killed by a signal). It exits 0 only if every
@@ -46,7 +49,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
+import json
 import os
+import pickle
 import random
 import signal
 import socket
@@ -130,6 +136,59 @@ def initialize_distributed() -> tuple[int, int]:
             return _distributed
     _distributed = (jax.process_index(), jax.process_count())
     return _distributed
+
+
+_KEY_VALUE_TIMEOUT_MS = 300_000
+_host_gathers = itertools.count()  # the same sequence on every process
+
+
+def host_gather(tree):
+    """``tree`` with every array leaf as a NumPy array of its global value, on every process, moved through the
+    jax.distributed key-value store instead of an XLA collective: processes that share one GPU cannot run one (NCCL
+    refuses two ranks on one device), and results are checked on the host anyway. Every process calls it with the
+    same trees in the same order. For checking and reporting, not for a training loop's data path."""
+    import jax
+    import numpy as np
+
+    leaves, treedef = jax.tree.flatten(tree)
+    if jax.process_count() == 1:
+        return treedef.unflatten([np.asarray(a) for a in leaves])
+    from jax._src import distributed  # the client of jax.distributed's key-value store; no public handle to it
+
+    client = distributed.global_state.client
+    call, me = next(_host_gathers), jax.process_index()
+    out = []
+    for i, a in enumerate(leaves):
+        if not isinstance(a, jax.Array) or a.is_fully_addressable:
+            out.append(np.asarray(a))
+            continue
+        key = f"jax_moe_comm/host_gather/{call}/{i}"
+        pieces = [(shard.index, np.asarray(shard.data)) for shard in a.addressable_shards if shard.replica_id == 0]
+        client.key_value_set_bytes(f"{key}/{me}", pickle.dumps(pieces))
+        full = np.zeros(a.shape, a.dtype)
+        for process in range(jax.process_count()):
+            for index, data in pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{process}",
+                                                                                _KEY_VALUE_TIMEOUT_MS)):
+                full[index] = data
+        client.wait_at_barrier(f"{key}/read", _KEY_VALUE_TIMEOUT_MS)  # every process has read every piece
+        client.key_value_delete(f"{key}/{me}")
+        out.append(full)
+    return treedef.unflatten(out)
+
+
+def from_process_0(key: str, make: Callable[[], object]) -> object:
+    """``make()`` as process 0 computed it, on every process (a JSON value, through the key-value store): the same seed
+    or the same test cases everywhere without an XLA collective. ``key`` names this value in the job."""
+    import jax
+
+    if jax.process_count() == 1:
+        return make()
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if jax.process_index() == 0:
+        client.key_value_set(f"jax_moe_comm/from_process_0/{key}", json.dumps(make()))
+    return json.loads(client.blocking_key_value_get(f"jax_moe_comm/from_process_0/{key}", _KEY_VALUE_TIMEOUT_MS))
 
 
 def _warn_if_one_process_drives_gpus() -> None:

@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import oracle
-from host_gather import host_gather
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm as jmc
+from jax_moe_comm.launch import host_gather
 from jax_moe_comm.quantize import quantize_rows
 
 PAYLOADS = ("float32", "bfloat16", "float16", "float8_e4m3fn", "quantize")  # quantize: bf16 x, fp8 rows

@@ -6,6 +6,7 @@ Modes (argv[1]):
   fail       rank 1 exits with status 3 at once; every other rank sleeps 60 s
   sleep      every rank sleeps 60 s
   env        print the launcher's environment variables (no JAX)
+  host_gather  a global array from each process's rows, gathered by host_gather; process 0's value everywhere
 """
 
 import os
@@ -35,6 +36,27 @@ def allgather(expected: int) -> None:
     jax.distributed.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(0)
+
+
+def gather_without_collectives() -> None:
+    from jax_moe_comm.launch import from_process_0, host_gather, initialize_distributed
+
+    process_id, num_processes = initialize_distributed()
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    rows = np.arange(num_processes * 6, dtype=np.float32).reshape(num_processes * 2, 3)
+    a = jax.make_array_from_callback(rows.shape, NamedSharding(mesh, P("p")), lambda index: rows[index])
+    got = host_gather({"a": a, "twice": a * 2, "none": None})
+    assert np.array_equal(got["a"], rows) and np.array_equal(got["twice"], 2 * rows) and got["none"] is None, got
+    chosen = from_process_0("child_value", lambda: [process_id, "from " + str(process_id)])
+    print(f"OK process {process_id} gathered {got['a'].shape} chosen={chosen}", flush=True)
+    jax.distributed.shutdown()
+    sys.stdout.flush()
     os._exit(0)
 
 
@@ -76,5 +98,7 @@ if __name__ == "__main__":
         sleep()
     elif mode == "env":
         env()
+    elif mode == "host_gather":
+        gather_without_collectives()
     else:
         sys.exit(f"unknown mode {mode!r}")

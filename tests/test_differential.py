@@ -41,7 +41,8 @@ def test_a_seeded_sample_of_the_option_space_agrees_with_the_oracle_and_plain_ad
 def test_a_sample_across_two_processes_gathers_without_collectives_and_agrees():
     """The GPU runner itself (tests/gpu/xla_differential.py) on two CPU processes under the launcher, the reference
     backend under test: global arrays built from each process's host data, results gathered through the
-    jax.distributed key-value store (tests/host_gather.py: no XLA collective, as processes sharing one GPU need)."""
+    jax.distributed key-value store (jax_moe_comm.launch.host_gather: no XLA collective, which processes sharing
+    one GPU cannot run)."""
     runner = Path(__file__).resolve().parent / "gpu" / "xla_differential.py"
     done = subprocess.run([sys.executable, "-m", "jax_moe_comm.launch", "-n", "2", "--cpu", "--", str(runner),
                            "--backend", "reference", "--small", "--setups", "3", "--runs", "2", "--seed", str(SEED)],

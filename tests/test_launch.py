@@ -63,6 +63,16 @@ def test_two_cpu_processes_allgather() -> None:
     assert "[rank 1] stderr line from 1" in err
 
 
+def test_host_gather_and_from_process_0_move_values_through_the_key_value_store() -> None:
+    """launch.host_gather gives every process the global value of a sharded array (no XLA collective: processes
+    sharing a GPU cannot run one), and from_process_0 process 0's value."""
+    r = _run("-n", "2", "--cpu", "--", CHILD, "host_gather")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = _lines(r.stdout)
+    for rank in (0, 1):
+        assert f"[rank {rank}] OK process {rank} gathered (4, 3) chosen=[0, 'from 0']" in out, r.stdout + r.stderr
+
+
 def test_two_nodes_one_process_each() -> None:
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [

@@ -50,13 +50,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm
 from jax_moe_comm._cli import prepare_process
 from jax_moe_comm.examples.train import AXIS, DTYPES, rms_norm, start_runtime
+from jax_moe_comm.launch import host_gather
 from jax_moe_comm.layers import moe_layer_shard, param_specs
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event: one XLA compilation
@@ -309,7 +309,7 @@ def compare(ep_logits: np.ndarray, dense_logits: np.ndarray, tokens: np.ndarray,
 
 def gather(arrays: Sequence[Array]) -> np.ndarray:
     """Global arrays sharded over AXIS (parts of them on other processes) -> one host array [len(arrays), ...]."""
-    return np.stack([multihost_utils.process_allgather(a, tiled=True) for a in arrays])
+    return np.stack(host_gather(list(arrays)))
 
 
 def decode_batch(ep: EPDecoder, dense: DenseDecoder, prompts: np.ndarray, args: argparse.Namespace) -> BatchResult:

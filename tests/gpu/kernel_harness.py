@@ -34,7 +34,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from cuda.bindings import runtime as cudart  # noqa: E402
-from host_gather import from_process_0  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from nvshmem_cases import TOLERANCE, replicate_groups, routing, window_bound  # noqa: E402
@@ -42,7 +41,7 @@ from nvshmem_cases import TOLERANCE, replicate_groups, routing, window_bound  # 
 import jax_moe_comm as jmc  # noqa: E402
 from jax_moe_comm import _native, errors, runtime  # noqa: E402
 from jax_moe_comm.config import Options  # noqa: E402
-from jax_moe_comm.launch import initialize_distributed  # noqa: E402
+from jax_moe_comm.launch import from_process_0, initialize_distributed  # noqa: E402
 from jax_moe_comm.nvshmem_backend import create_context as create_backend_context  # noqa: E402
 from jax_moe_comm.nvshmem_backend import kernel_sizes, row_type  # noqa: E402
 

@@ -23,11 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: host_gather
-from host_gather import from_process_0, host_gather  # noqa: E402
-
-import jax_moe_comm as jmc  # noqa: E402
-from jax_moe_comm.launch import initialize_distributed  # noqa: E402
+import jax_moe_comm as jmc
+from jax_moe_comm.launch import from_process_0, host_gather, initialize_distributed
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 

@@ -1,5 +1,5 @@
 """The differential tester (tests/differential.py) on the NVSHMEM backend through XLA, one process per GPU (or
-several processes sharing one: the checking code issues no XLA collective, see tests/host_gather.py).
+several processes sharing one: the checking code issues no XLA collective, see jax_moe_comm.launch.host_gather).
 
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --setups 50 --runs 4 [--seed S]
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --replay '<a draw's JSON>'
