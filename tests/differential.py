@@ -387,12 +387,12 @@ def _expected_one(setup: Setup, arr: Arrays):
     return layouts, y, live, error
 
 
-def check_one(setup: Setup, arr: Arrays, got, comm: jmc.MoEComm | None = None) -> str | None:
+def check_one(setup: Setup, arr: Arrays, got) -> str | None:
     """What one round trip's results (Dispatched, y, both global) differ in from the oracle, or None."""
     s, cfg = setup, setup.config()
     layouts, want_y, live, error = _expected_one(setup, arr)
     d, y = got
-    if error is not None:  # the contract's error: NaN everywhere (raised by the caller's check, see run_one)
+    if error is not None:  # the contract's error: NaN everywhere (raised by the caller's check, see run_inputs)
         y = np.asarray(y, np.float32)
         return None if np.isnan(y).all() else f"expected a failed round trip ({error}), got finite outputs"
     L, capacity = s.E // s.world, cfg.capacity_for(s.world)
@@ -592,7 +592,7 @@ def run_inputs(c: Compiled, inp: Inputs) -> str | None:
             return f"the contract's error ({error}) was not raised"
         if error is not None and setup.check_errors is True and c.backend == "nvshmem":
             return f"the contract's error ({error}) was not raised by comm.check()"
-        return check_one(setup, arr, got, c.comm)
+        return check_one(setup, arr, got)
     if setup.pattern == "decode":
         rng = np.random.default_rng(inp.seed + 1)
         for _ in range(3):  # the same compiled step with other token counts
