@@ -54,7 +54,9 @@ PATTERN_TOLERANCE = {"float32": 1e-4, "bfloat16": 4e-2, "float16": 8e-3}
 class Setup:
     """What a draw compiles. ``options``: MoEComm keyword arguments as (name, value) pairs ("window_slots": the
     max_symmetric_bytes that leaves the config a window of that many slots per source). ``remat``: a POLICIES key, or
-    None for no jax.checkpoint; ``grad``: None, "grad" or "value_and_grad" (loop and scan)."""
+    None for no jax.checkpoint; ``grad``: None, "grad" or "value_and_grad" (loop and scan); ``frozen_x``: the train
+    step leaves x untrained (a frozen embedding: dispatch's backward is then a round trip whose result nothing
+    reads)."""
 
     world: int
     payload: str
@@ -76,6 +78,7 @@ class Setup:
     layers: int = 1
     remat: str | None = None
     grad: str | None = None
+    frozen_x: bool = False
 
     @property
     def split(self) -> bool:
@@ -163,7 +166,7 @@ def setups(draw, world: int = 1, patterns: tuple[str, ...] = PATTERNS, small: bo
         options["window_slots"] = draw(st.sampled_from(sorted({1, max(1, slots // 3), max(1, slots // 2),
                                                                 slots - 1})))
     check_errors = draw(st.sampled_from((True, True, False))) if pattern == "one" else True
-    layers, remat, grad = 1, None, None
+    layers, remat, grad, frozen_x = 1, None, None, False
     if pattern in ("loop", "scan"):
         layers = draw(st.integers(1, 4))
         remat = draw(st.sampled_from((None, "nothing", "dots", "everything")))
@@ -171,12 +174,14 @@ def setups(draw, world: int = 1, patterns: tuple[str, ...] = PATTERNS, small: bo
     elif pattern in ("train", "decode"):
         layers = draw(st.integers(1, 3))
         remat = draw(st.sampled_from((None, "nothing"))) if pattern == "train" else None
+        frozen_x = pattern == "train" and (dp_size > 1 or draw(st.booleans()))  # DP replicas' x must stay equal
     if pattern in ("decode",) and weights_at == "dispatch":
         weights_at = "combine"
     if fp8 and payload == "float8_e4m3fn" and (grad or pattern == "train"):
         payload = "quantize"  # gradients reach x through a quantizing dispatch (fp8 x has no gradient)
     return Setup(world, payload, out_dtype, E, K, H, T, scale_block, align, capacity, capacity_factor, overflow,
-                 dp_size, weights_at, check_errors, tuple(sorted(options.items())), pattern, layers, remat, grad)
+                 dp_size, weights_at, check_errors, tuple(sorted(options.items())), pattern, layers, remat, grad,
+                 frozen_x)
 
 
 @st.composite
@@ -492,16 +497,14 @@ def pattern_fn(comm: jmc.MoEComm, setup: Setup):
         # turns a last-bit difference of a near-zero gradient into a whole step).
         opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
 
-        # Two steps in one jit, x trained too (as an embedding's output would be): each step's round trips then feed
-        # the next step's through the parameters (see the caveat in docs/design.md, "One buffer set for a whole
-        # model"). With DP replicas, whose x must stay identical, one step and x fixed.
-        steps, trains_x = (2, True) if setup.dp_size == 1 else (1, False)
-
+        # Two steps in one jit (gradient accumulation, or a loop of steps): with x frozen, nothing reads the result of
+        # dispatch's backward, and only the buffer set's order (kernel_call's ordered effect) runs it before the
+        # second step's first dispatch.
         @jax.jit
         def train(x, layer_ids, router, experts, n, target):
-            params = {"router": router, "experts": experts, **({"x": x} if trains_x else {})}
+            params = {"router": router, "experts": experts, **({} if setup.frozen_x else {"x": x})}
             state = opt.init(params)
-            for _ in range(steps):  # the second step's routing weights come from updated parameters
+            for _ in range(2):  # the second step's routing weights come from updated parameters
                 value, grads = jax.value_and_grad(
                     lambda p: loss(p.get("x", x), layer_ids, p["router"], p["experts"], n, target))(params)
                 updates, state = opt.update(grads, state, params)

@@ -477,6 +477,43 @@ def case_grad_composition(mesh, seed, composition, layers=3):
     return compare_grads(grads, ("x", "topk_weights", "expert weights"), 1e-4)
 
 
+def case_two_train_steps_frozen_input(mesh, seed, layers=3, steps=2, learning_rate=0.1):
+    """Two SGD steps in one jit, x frozen (a frozen embedding; or gradient accumulation): dispatch's backward of the
+    first layer is a round trip whose result nothing reads, so no data orders it before the second step's first
+    dispatch; the buffer set's order token does. The weights after both steps and each step's loss equal plain AD's
+    on the reference backend."""
+    E, K, H, T = 8, 2, 64, 16
+    cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    x, ids, w, ew = layered_inputs(mesh, np.random.default_rng(seed), layers, E, K, H, T, 1 / 16)
+
+    results = {}
+    for backend in ("nvshmem", "reference"):
+        comm = make_comm(cfg, mesh, backend)
+
+        def shard(x, ids, w, ew, comm=comm):
+            for i in range(layers):
+                x = residual_moe_layer(comm, x, ids[i], w[i], ew[i])
+            return x
+
+        mapped = jax.shard_map(shard, mesh=mesh, in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P(None, "ep")),
+                               out_specs=P("ep"))
+        loss = lambda w, ew, x, ids, f=mapped: jnp.mean(f(x, ids, w, ew) ** 2)  # noqa: E731
+
+        @jax.jit
+        def train(x, ids, w, ew, loss=loss):
+            losses = []
+            for _ in range(steps):
+                value, (dw, dew) = jax.value_and_grad(loss, argnums=(0, 1))(w, ew, x, ids)
+                w, ew, losses = w - learning_rate * dw, ew - learning_rate * dew, losses + [value]
+            return w, ew, jnp.stack(losses)
+
+        try:
+            results[backend] = gather(train(x, ids, w, ew))
+        finally:
+            comm.close()
+    return compare_grads(results, ("topk_weights after 2 steps", "expert weights after 2 steps", "losses"), 1e-4)
+
+
 def case_grad_one_comm_remat_layers(mesh, seed, layers=58):
     """A model of 58 layers in a Python loop, every whole layer (its round trips too) under jax.checkpoint and every
     layer on ONE MoEComm: the kernels' custom VJP, in one jit, equals plain AD on the reference backend. The round
@@ -896,6 +933,8 @@ def main() -> int:
         # Regression: XLA cloned the backward scan's calls into dynamic-slice fusions (a phase ran twice).
         ("grad: scan over checkpointed layers", lambda s: case_grad_composition(mesh, s, "scan, checkpointed")),
         ("grad: two MoEComms in one step", lambda s: case_grad_composition(mesh, s, "two instances")),
+        # Regression: XLA ran the second step's dispatch before the first step's unread backward combine.
+        ("train: two steps in one jit, input frozen", lambda s: case_two_train_steps_frozen_input(mesh, s)),
         ("grad: 58 layers, one MoEComm, whole layers rematerialized", lambda s: case_grad_one_comm_remat_layers(
             mesh, s)),
         ("grad: fp8 dispatch, bf16 gradients", lambda s: case_grad_fp8(mesh, s)),
