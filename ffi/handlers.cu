@@ -1,10 +1,6 @@
 // XLA FFI handlers: unpack buffers, find the Context by its id (the `context` attribute), launch the phase's kernel on
 // XLA's stream. No host synchronisation and no collective host work happens here. Shapes: T = max_tokens, H = hidden,
 // K = experts per token, B = the fp8 scale block, C = capacity, L = local experts; "status" is int32[kStatusWords].
-//
-// Every handler's last operand and last result is its MoEComm's order token (never read, never written): JAX threads
-// one token through all calls on one buffer set in program order, so XLA runs them in that order even where no data
-// joins two round trips (design.md, "FFI and ordering").
 #include <chrono>
 #include <string>
 #include <thread>
@@ -59,9 +55,7 @@ ffi::Error DispatchSend(cudaStream_t stream,
                         ffi::Buffer<ffi::S32> num_tokens,      // [] tokens of this rank that count
                         ffi::Buffer<ffi::F32> topk_weights,    // [T, K] stored with the ids (NVLink path), or [0]
                         ffi::AnyBuffer /*after*/,              // any
-                        ffi::Token /*order*/,                  // this MoEComm's order token
                         ffi::Result<ffi::Buffer<ffi::S32>> status,  // this phase's status
-                        ffi::Result<ffi::Token> /*order*/,          // the same token, passed on
                         int64_t context) {
   DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                      status->typed_data(), topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
@@ -73,13 +67,11 @@ ffi::Error DispatchSend(cudaStream_t stream,
 
 ffi::Error DispatchRecv(cudaStream_t stream,
                         ffi::Buffer<ffi::S32> /*send_status*/,             // orders the receive after the send
-                        ffi::Token /*order*/,                              // this MoEComm's order token
                         ffi::Result<ffi::AnyBuffer> expert_x,              // [C, H] rows by local expert
                         ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,  // [C, H / B], or [C, 0]
                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,    // [L]
                         ffi::Result<ffi::Buffer<ffi::S32>> row_origin,     // [C] (group * T + token) * K + slot
                         ffi::Result<ffi::Buffer<ffi::S32>> status,         // this phase's status
-                        ffi::Result<ffi::Token> /*order*/,                 // the same token, passed on
                         int64_t context) {
   DispatchRecvArgs a{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
                      row_origin->typed_data(), status->typed_data()};
@@ -92,9 +84,7 @@ ffi::Error CombineSend(cudaStream_t stream,
                        ffi::AnyBuffer expert_y,                     // [C, H] expert outputs (bf16, f16, f32)
                        ffi::Buffer<ffi::S32> row_origin,            // [C] from dispatch
                        ffi::Buffer<ffi::F32> topk_weights,          // [T, K]: pre-reduce (NVLink path); [0]: per slot
-                       ffi::Token /*order*/,                        // this MoEComm's order token
                        ffi::Result<ffi::Buffer<ffi::S32>> status,   // this phase's status
-                       ffi::Result<ffi::Token> /*order*/,           // the same token, passed on
                        int64_t context, int64_t partial_type, int64_t weights_sent) {
   CombineSendArgs a{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
                     row_origin.typed_data(), status->typed_data(),
@@ -110,10 +100,8 @@ ffi::Error CombineRecv(cudaStream_t stream,
                        ffi::Buffer<ffi::S32> topk_ids,              // [T, K] this rank's routing
                        ffi::Buffer<ffi::F32> topk_weights,          // [T, K]
                        ffi::Buffer<ffi::S32> num_tokens,            // []
-                       ffi::Token /*order*/,                        // this MoEComm's order token
                        ffi::Result<ffi::AnyBuffer> out,             // [T, H] out_dtype
                        ffi::Result<ffi::Buffer<ffi::S32>> status,   // the round trip's status (every rank's)
-                       ffi::Result<ffi::Token> /*order*/,           // the same token, passed on
                        int64_t context, int64_t rows_type, int64_t reduced) {
   CombineRecvArgs a{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
                     static_cast<int>(rows_type), row_type(out->element_type()), status->typed_data(), reduced != 0};
@@ -128,14 +116,12 @@ ffi::Error Dispatch(cudaStream_t stream,
                     ffi::Buffer<ffi::S32> num_tokens,                  // []
                     ffi::Buffer<ffi::F32> topk_weights,                // [T, K], or [0]
                     ffi::AnyBuffer /*after*/,                          // any
-                    ffi::Token /*order*/,                              // this MoEComm's order token
                     ffi::Result<ffi::AnyBuffer> expert_x,              // [C, H]
                     ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,  // [C, H / B], or [C, 0]
                     ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,    // [L]
                     ffi::Result<ffi::Buffer<ffi::S32>> row_origin,     // [C]
                     ffi::Result<ffi::Buffer<ffi::S32>> send_status,    // the send's status
                     ffi::Result<ffi::Buffer<ffi::S32>> recv_status,    // the receive's status
-                    ffi::Result<ffi::Token> /*order*/,                 // the same token, passed on
                     int64_t context) {
   DispatchSendArgs send{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                         send_status->typed_data(),
@@ -156,11 +142,9 @@ ffi::Error Combine(cudaStream_t stream,
                    ffi::Buffer<ffi::S32> topk_ids,                   // [T, K]
                    ffi::Buffer<ffi::F32> topk_weights,               // [T, K]
                    ffi::Buffer<ffi::S32> num_tokens,                 // []
-                   ffi::Token /*order*/,                             // this MoEComm's order token
                    ffi::Result<ffi::AnyBuffer> out,                  // [T, H] out_dtype
                    ffi::Result<ffi::Buffer<ffi::S32>> send_status,   // the send's status
                    ffi::Result<ffi::Buffer<ffi::S32>> recv_status,   // the round trip's status (every rank's)
-                   ffi::Result<ffi::Token> /*order*/,                // the same token, passed on
                    int64_t context, int64_t reduced, int64_t weights_sent) {
   const int in_dtype = row_type(expert_y.element_type()), out_dtype = row_type(out->element_type());
   CombineSendArgs send{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
@@ -177,10 +161,8 @@ ffi::Error Combine(cudaStream_t stream,
 // carry their own validity (no fence, no signal).
 ffi::Error Probe(cudaStream_t stream,
                  ffi::AnyBuffer x,                           // any, a multiple of 16 bytes
-                 ffi::Token /*order*/,                       // this MoEComm's order token
                  ffi::Result<ffi::AnyBuffer> out,            // x's shape: what the previous rank sent
                  ffi::Result<ffi::Buffer<ffi::S32>> status,  // a timeout's status
-                 ffi::Result<ffi::Token> /*order*/,          // the same token, passed on
                  int64_t context, int64_t flagged) {
   return with_context(context, "probe", [&](const Context& c) {
     return launch_probe(c, x.untyped_data(), out->untyped_data(), static_cast<long long>(x.size_bytes()),
@@ -200,9 +182,7 @@ ffi::Error Probe(cudaStream_t stream,
 // check until comm.reset().
 ffi::Error Check(ffi::RunId run,
                  ffi::AnyBuffer /*after*/,                   // orders the check after the previous round trip
-                 ffi::Token /*order*/,                       // this MoEComm's order token
                  ffi::Result<ffi::Buffer<ffi::S32>> /*token*/,  // [1]: the dispatch's `after`
-                 ffi::Result<ffi::Token> /*order*/,             // the same token, passed on
                  int64_t context, int64_t lag) {
   Context* found = find_context(context);
   if (found == nullptr) return ffi::Error::InvalidArgument("jax_moe_comm: this MoEComm was closed");
@@ -238,9 +218,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_check, jmc::Check,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
                                   .Arg<ffi::AnyBuffer>()          // after
-                                  .Arg<ffi::Token>()              // order
                                   .Ret<ffi::Buffer<ffi::S32>>()   // token
-                                  .Ret<ffi::Token>()              // order
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("lag"));
 
@@ -253,22 +231,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Arg<ffi::AnyBuffer>()          // after
-                                  .Arg<ffi::Token>()              // order
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()              // order
                                   .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_recv, jmc::DispatchRecv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // send_status
-                                  .Arg<ffi::Token>()              // order
                                   .Ret<ffi::AnyBuffer>()          // expert_x
                                   .Ret<ffi::Buffer<ffi::F32>>()   // expert_scales
                                   .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes
                                   .Ret<ffi::Buffer<ffi::S32>>()   // row_origin
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()              // order
                                   .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
@@ -277,9 +251,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
                                   .Arg<ffi::AnyBuffer>()          // expert_y
                                   .Arg<ffi::Buffer<ffi::S32>>()   // row_origin
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
-                                  .Arg<ffi::Token>()              // order
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()              // order
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("partial_type")
                                   .Attr<int64_t>("weights_sent"));
@@ -291,10 +263,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
-                                  .Arg<ffi::Token>()              // order
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()              // order
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("rows_type")
                                   .Attr<int64_t>("reduced"));
@@ -308,14 +278,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch, jmc::Dispatch,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Arg<ffi::AnyBuffer>()          // after
-                                  .Arg<ffi::Token>()              // order
                                   .Ret<ffi::AnyBuffer>()          // expert_x
                                   .Ret<ffi::Buffer<ffi::F32>>()   // expert_scales
                                   .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes
                                   .Ret<ffi::Buffer<ffi::S32>>()   // row_origin
                                   .Ret<ffi::Buffer<ffi::S32>>()   // send_status
                                   .Ret<ffi::Buffer<ffi::S32>>()   // recv_status
-                                  .Ret<ffi::Token>()              // order
                                   .Attr<int64_t>("context"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine, jmc::Combine,
@@ -326,11 +294,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine, jmc::Combine,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
-                                  .Arg<ffi::Token>()              // order
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::S32>>()   // send_status
                                   .Ret<ffi::Buffer<ffi::S32>>()   // recv_status
-                                  .Ret<ffi::Token>()              // order
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("reduced")
                                   .Attr<int64_t>("weights_sent"));
@@ -340,10 +306,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_probe, jmc::Probe,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()          // x
-                                  .Arg<ffi::Token>()              // order
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Ret<ffi::Token>()              // order
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("flagged"));
 #endif

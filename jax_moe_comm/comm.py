@@ -187,13 +187,12 @@ class MoEComm:
     replicated) is sliced locally, with no communication besides the EP exchange.
 
     One MoEComm carries one round trip at a time: dispatch_send, dispatch_recv, combine_send, combine_recv, then
-    the next dispatch. XLA runs its calls in program order (an order token per MoEComm), within a round trip,
-    between the layers of a model, between the forward and backward round trips (with custom_vjp; under
-    jax.checkpoint the round trips are not recomputed) and between steps, so one MoEComm serves every layer of a
-    model: its symmetric memory does not grow with depth. Round trips that the program interleaves need a MoEComm
-    each (e.g. two models computed side by side, layer by layer, in one step). On the NVSHMEM backend a phase that
-    runs out of this order does nothing and the round trip fails with an "expected <phase>" MoECommError; the
-    reference backend has no buffers to share and accepts any order.
+    the next dispatch. Data dependencies give XLA that order within a round trip, between the layers of a model and
+    between the forward and backward round trips (with custom_vjp; under jax.checkpoint the round trips are not
+    recomputed), so one MoEComm serves every layer of a model: its symmetric memory does not grow with depth.
+    Round trips that no data orders need a MoEComm each (e.g. two models computed side by side in one step). On the
+    NVSHMEM backend a phase that runs out of this order does nothing and the round trip fails with an "expected
+    <phase>" MoECommError; the reference backend has no buffers to share and accepts any order.
     """
 
     def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str | tuple[str, ...] = "ep",
@@ -232,7 +231,7 @@ class MoEComm:
                 raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {np.dtype(grad_dtype).name}")
         self.grad_dtype = None if grad_dtype is None else np.dtype(grad_dtype)
         # An fp8 layer's backward round trips (see autodiff.py) carry grad_dtype rows on the same buffers, each
-        # buffer sized for the larger of the two configs; they run in turn with the forward's (one order token).
+        # buffer sized for the larger of the two configs; they run in turn with the forward's (data orders them).
         grad_geo = None if grad_dtype is None else Geometry(cfg.gradient_config(self.world, grad_dtype), self.world,
                                                             ep_axes, options)
         self._shared_with = () if grad_geo is None else (grad_geo.cfg,)

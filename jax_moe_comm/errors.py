@@ -54,8 +54,8 @@ PARTS = {
                        "least {a}, or drop what does not fit (overflow=\"drop\")",
     TIMEOUT: "timed out waiting for rank {a} (MoEComm timeout_s: did every rank make the call?)",
     OUT_OF_ORDER: "it ran while this MoEComm expected {expected}: a MoEComm carries one round trip at a time "
-                  "(dispatch_send, dispatch_recv, combine_send, combine_recv); round trips that the program "
-                  "interleaves (two models side by side) need a MoEComm each",
+                  "(dispatch_send, dispatch_recv, combine_send, combine_recv); round trips that no data orders "
+                  "(two models side by side) need a MoEComm each",
     REFUSED: "(refused: the MoEComm had failed before this call)",
 }
 JOINER = "; "

@@ -1,4 +1,4 @@
-"""The kernels' XLA custom calls as one JAX primitive, with an ordered effect per buffer set that JAX may rematerialize.
+"""The kernels' XLA custom calls as one JAX primitive, whose effect JAX may rematerialize.
 
 ``jax.ffi.ffi_call(..., has_side_effect=True)`` marks its call with JAX's FFI effect, which ``jax.checkpoint``
 refuses ("Effects not supported in partial-eval of checkpoint/remat"). A round trip must be side-effecting for XLA
@@ -7,12 +7,6 @@ rank at the same point of the same program, so the protocol stays in step (docs/
 whole model"). So the calls go through this primitive, with an effect of its own that is allowed under remat, custom
 derivatives and control flow, and lowered like ffi_call's (an FFI custom call with has_side_effect) between
 optimization barriers (see _lowering).
-
-The effect is ordered, one per buffer set (``KernelEffect(chain)``): JAX threads a token through every call on one
-buffer set in program order, through jit, shard_map, scan, cond, checkpoint, custom_vjp and from one execution to the
-next, so XLA runs them in that order even where no data joins two round trips (a round trip whose result nothing
-reads, as dispatch's backward when the first layer's input is frozen). The effect is shardable: one token per
-device, no collective.
 """
 
 from __future__ import annotations
@@ -30,67 +24,57 @@ from jax.interpreters import mlir
 
 @dataclasses.dataclass(frozen=True)
 class KernelEffect(effects.Effect):
-    """The kernel calls on one buffer set (`chain`: the extension's context id of the set's owner): kept and never
-    merged by XLA, run in program order; allowed where a round trip may be recomputed or repeated."""
-
-    chain: int
+    """A jax_moe_comm kernel call: kept and never merged by XLA; allowed where a round trip may be recomputed or
+    repeated."""
 
     def __str__(self) -> str:
-        return f"jax_moe_comm kernel (buffer set {self.chain})"
+        return "jax_moe_comm kernel"
 
 
+_EFFECT = KernelEffect()
 for allowed in (effects.lowerable_effects, effects.control_flow_allowed_effects, effects.remat_allowed_effects,
-                effects.custom_derivatives_allowed_effects, effects.ordered_effects,
-                effects.shardable_ordered_effects):
+                effects.custom_derivatives_allowed_effects):
     allowed.add_type(KernelEffect)
 
 kernel_call_p = Primitive("jmc_kernel_call")
 kernel_call_p.multiple_results = True
 
 
-def _abstract_eval(*avals_in, target: str, results: tuple, attributes: tuple, chain: int):
+def _abstract_eval(*avals_in, target: str, results: tuple, attributes: tuple):
     del target, attributes
     core.standard_vma_rule("jmc_kernel_call", *avals_in)  # as ffi_call's: results on the current mesh
     return tuple(r.update(sharding=core.get_cur_mesh_sharding()) if r.sharding.mesh.empty else r
-                 for r in results), {KernelEffect(chain)}
+                 for r in results), {_EFFECT}
 
 
 kernel_call_p.def_effectful_abstract_eval(_abstract_eval)
 
 
-def _lowering(ctx, *operands, target: str, results: tuple, attributes: tuple, chain: int):
-    """ffi_call's lowering with the buffer set's token as last operand and last result, the data between
-    optimization barriers: XLA:GPU's dynamic-slice fusion clones a custom call whose operand is a slice of a loop's
-    buffer (a lax.scan's per-layer inputs) or whose result goes into one (a lax.scan stacking residuals for the
-    backward pass, under jax.checkpoint the calls' own results), side effect or not, and keeps the original: the
-    kernel then ran twice per iteration. Between barriers (no copy, no kernel) no operand and no result of the call
-    matches such a pattern, whoever uses them."""
+def _lowering(ctx, *operands, target: str, results: tuple, attributes: tuple):
+    """ffi_call's lowering, between optimization barriers: XLA:GPU's dynamic-slice fusion clones a custom call whose
+    operand is a slice of a loop's buffer (a lax.scan's per-layer inputs) or whose result goes into one (a lax.scan
+    stacking residuals for the backward pass, under jax.checkpoint the calls' own results), side effect or not, and
+    keeps the original: the kernel then ran twice per iteration. Between barriers (no copy, no kernel) no operand
+    and no result of the call matches such a pattern, whoever uses them."""
     del results
-    effect = KernelEffect(chain)
     operands = hlo.OptimizationBarrierOp(operands).results if operands else operands
-    with_token = ctx.replace(avals_in=(*ctx.avals_in, core.abstract_token),
-                             avals_out=(*ctx.avals_out, core.abstract_token))
-    *outs, token = jax.ffi.ffi_lowering(target, has_side_effect=True)(
-        with_token, *operands, ctx.tokens_in.get(effect), **dict(attributes))
-    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: token})))
+    outs = jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *operands, **dict(attributes))
     return hlo.OptimizationBarrierOp(outs).results if outs else outs
 
 
 mlir.register_lowering(kernel_call_p, _lowering, platform="cuda")
 
 
-def kernel_call(target: str, results: Any, *args, chain: int, **attributes) -> Any:
-    """``jax.ffi.ffi_call(target, results, has_side_effect=True)(*args, **attributes)`` on this primitive, ordered
-    after every earlier call of the same `chain` (a buffer set's id). `results`: a ShapeDtypeStruct or a sequence of
-    them (the result then a list); attributes: numpy scalars."""
+def kernel_call(target: str, results: Any, *args, **attributes) -> Any:
+    """``jax.ffi.ffi_call(target, results, has_side_effect=True)(*args, **attributes)`` on this primitive. `results`:
+    a ShapeDtypeStruct or a sequence of them (the result then a list); attributes: numpy scalars."""
     # Operands varying over different manual axes (shard_map) are made to vary over all of them, as a primitive's
     # operands must (a no-op in the program).
     vma = frozenset().union(*(varying_axes(a) for a in args))
     args = tuple(varying_over(a, vma) for a in args)
     many = isinstance(results, Sequence)
     avals = tuple(core.shaped_abstractify(r).update(dtype=r.dtype) for r in (results if many else (results,)))
-    outs = kernel_call_p.bind(*args, target=target, results=avals, attributes=tuple(sorted(attributes.items())),
-                              chain=int(chain))
+    outs = kernel_call_p.bind(*args, target=target, results=avals, attributes=tuple(sorted(attributes.items())))
     return list(outs) if many else outs[0]
 
 

@@ -202,7 +202,7 @@ def moe_layer_shard(comm: MoEComm, params_shard: dict, x: Array, num_tokens: Arr
     Args:
       comm: the model's MoEComm (cfg.dtype bfloat16, float16 or float32; fp8 payloads need scales the layer does
         not compute). One serves every layer of a model whose layers each take the previous one's output: their
-        round trips, forward and backward, run in program order (docs/design.md, "One buffer set for a whole
+        round trips, forward and backward, are ordered by data (docs/design.md, "One buffer set for a whole
         model").
       params_shard: this rank's view of the params: ``router`` [H, E] and ``shared`` replicated, ``gate`` / ``up``
         [L, H, F] and ``down`` [L, F, H] this rank's ``L = E / world`` experts.

@@ -375,13 +375,8 @@ def _varying(outs, args, ep_axes: tuple[str, ...]):
     return jax.tree.map(lambda a: varying_over(a, axes), outs)
 
 
-def _chain(plan: Plan) -> int:
-    """The id of the buffer set whose calls run in program order (kernel_call): the owner's, for a shared plan."""
-    return (plan.owner or plan).ctx
-
-
 def _call(name: str, results, plan: Plan, *args, **attrs):
-    outs = kernel_call(f"jmc_{name}", results, *args, chain=_chain(plan), context=np.int64(plan.ctx), **attrs)
+    outs = kernel_call(f"jmc_{name}", results, *args, context=np.int64(plan.ctx), **attrs)
     return _varying(outs, args, plan.geo.axis_name)
 
 
@@ -407,7 +402,7 @@ def _after_arg(plan: Plan, x: Array, after: Array | None) -> Array:
     launches this round trip, and it raises a failure of an earlier round trip without synchronizing."""
     if plan.geo.check_errors is True:
         return kernel_call("jmc_check", jax.ShapeDtypeStruct((1,), jnp.int32), x if after is None else after,
-                           chain=_chain(plan), context=np.int64(plan.ctx), lag=np.int64(CHECK_LAG))
+                           context=np.int64(plan.ctx), lag=np.int64(CHECK_LAG))
     return jnp.zeros((0,), jnp.int32) if after is None else after
 
 
