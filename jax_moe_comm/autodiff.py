@@ -18,6 +18,8 @@ combine's rule dispatches ``dy`` (tied to the forward's output by an operand it 
 forward round trip), dispatch's rule combines the row gradients (which depend on the expert computation's
 backward, hence on that dispatch). One MoEComm carries one round trip at a time; the NVSHMEM kernels check the
 phase order on the device and fail with a message (errors.OUT_OF_ORDER) instead of mixing two round trips' rows.
+When the dispatch is not differentiated (x frozen) its rule never runs: the handle's grad_link tells combine's rule
+so, and it finishes the round trip with a combine of zero rows (docs/design.md, "Autodiff").
 With ``dp_size > 1`` the replicas' ``dy`` are summed before the dispatch (an
 ``all_gather``), each replica keeps ``dx`` of the tokens it sent, and the group's ``dw`` is shared out equally over
 its replicas (their sum is exact; so is any gradient of the replicas' identical weights).
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from .config import Geometry
 from .types import CombineHandle, Dispatched
@@ -72,11 +75,18 @@ class Phases:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def dispatch(phases: Phases, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
              topk_weights: Array | None = None) -> Dispatched:
-    return phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
+    return _linked(phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights))
 
 
-def _dispatch_fwd(phases, x, topk_ids, scales, num_tokens, topk_weights=None):
-    d = phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
+def _linked(d: Dispatched) -> Dispatched:
+    """d with the handle's grad_link: when this dispatch is differentiated the link carries a gradient into combine,
+    whose rule then leaves the backward round trip to this one's rule to finish (see _combine_bwd)."""
+    return dataclasses.replace(d, handle=dataclasses.replace(d.handle, grad_link=jnp.zeros((0,), jnp.float32)))
+
+
+def _dispatch_fwd(phases, *args):
+    x, topk_ids, scales, num_tokens, topk_weights = custom_vjp_primal_tree_values(args)
+    d = _linked(phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights))
     quantized = np.dtype(x.dtype) != phases.geo.cfg.dtype  # dispatch(..., quantize=...): bf16 x, fp8 rows
     # x's dtype, and for a quantizing dispatch the scales: the rows' gradient w.r.t. x passes the quantization
     # straight through (x ~ expert_x * scale, so d/dx = d/d expert_x / scale).
@@ -87,6 +97,15 @@ def _dispatch_bwd(phases, residuals, ct: Dispatched):
     cfg = phases.geo.cfg
     handle, x_dtype, quantized_scales = residuals[0], residuals[1].dtype, residuals[2]
     rows = ct.expert_x
+    # Weights given to dispatch only pass into the handle: their cotangent is the one combine gave the handle's.
+    d_weights = ct.handle.topk_weights
+    d_weights = None if handle.topk_weights is None or isinstance(d_weights, SymbolicZero) else d_weights
+    if isinstance(ct.handle.grad_link, SymbolicZero):  # combine's rule did not run: no backward round trip is open
+        if not isinstance(rows, SymbolicZero):
+            raise ValueError("expert_x of a dispatch is differentiated but the combine of its handle is not (its "
+                             "output does not reach the loss): the custom VJP's rules need both")
+        return None, None, None, None, d_weights
+    rows = jnp.zeros(rows.shape, rows.dtype) if isinstance(rows, SymbolicZero) else rows
     if quantized_scales is not None:
         rows = rows.astype(jnp.float32) / jnp.repeat(quantized_scales, cfg.scale_block, axis=1)
     rows = rows.astype(cfg.out_dtype)  # combine carries rows no wider than out_dtype
@@ -96,12 +115,18 @@ def _dispatch_bwd(phases, residuals, ct: Dispatched):
     if dp > 1:  # every replica received the group's dx; each replica's x only sent the tokens it owns
         own = jnp.arange(cfg.max_tokens) % dp == jax.lax.axis_index(phases.geo.axis_name) % dp
         dx = jnp.where(own[:, None], dx, jnp.zeros_like(dx))
-    # Weights given to dispatch only pass into the handle: their cotangent is the one combine gave the handle's.
-    d_weights = None if handle.topk_weights is None else ct.handle.topk_weights
+    if d_weights is not None:  # dx is unread when x is frozen: the weights' gradient then orders this combine
+        d_weights = d_weights + _tie(dx)
     return dx, None, None, None, d_weights
 
 
-dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
+
+
+def _tie(a: Array) -> Array:
+    """A float32 zero computed from a's first element (NaN if that is NaN): added to a value that is read, it makes
+    XLA run the call that produced `a` before whatever reads that value (XLA keeps 0 * x for floats)."""
+    return a.reshape(-1)[0].astype(jnp.float32) * 0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -109,24 +134,32 @@ def combine(phases: Phases, expert_y: Array, handle: CombineHandle, topk_weights
     return phases.combine(expert_y, handle, topk_weights)
 
 
-def _combine_fwd(phases, expert_y, handle, topk_weights):
+def _combine_fwd(phases, *args):
+    # The link carries a gradient exactly when the dispatch was differentiated, so that its rule will combine the
+    # backward round trip that this rule's dispatch of dy opens.
+    dispatch_follows = args[1].grad_link is not None and args[1].grad_link.perturbed
+    expert_y, handle, topk_weights = custom_vjp_primal_tree_values(args)
     y = phases.combine(expert_y, handle, topk_weights)
     done = y.reshape(-1)[:1]  # a value of the forward's last transfer: orders the backward's transfers after it
-    return y, (expert_y, handle, topk_weights, done)
+    return y, (expert_y, handle, topk_weights, done, jnp.zeros((int(dispatch_follows),), jnp.float32))
 
 
-def _handle_cotangent(handle: CombineHandle, d_weights: Array) -> CombineHandle:
-    """The handle's cotangent: d_weights for the weights it carries (given to dispatch), zeros for its integers."""
+def _handle_cotangent(handle: CombineHandle, d_weights: Array | None) -> CombineHandle:
+    """The handle's cotangent: d_weights for the weights it carries (given to dispatch), zeros for its integers, and
+    a (data-free) gradient for its grad_link: it tells dispatch's rule that this rule opened the backward round
+    trip."""
     def zero(a):
         return np.zeros(a.shape, jax.dtypes.float0)
 
     return CombineHandle(row_origin=zero(handle.row_origin), topk_ids=zero(handle.topk_ids),
-                         num_tokens=zero(handle.num_tokens), status=zero(handle.status), topk_weights=d_weights)
+                         num_tokens=zero(handle.num_tokens), status=zero(handle.status), topk_weights=d_weights,
+                         grad_link=None if handle.grad_link is None else jnp.zeros((0,), jnp.float32))
 
 
 def _combine_bwd(phases, residuals, dy):
     backward = phases.backward()
-    expert_y, handle, given_weights, done = residuals
+    expert_y, handle, given_weights, done, dispatch_follows = residuals
+    dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy
     topk_weights = handle.topk_weights if given_weights is None else given_weights
     cfg, axis, world = phases.geo.cfg, phases.geo.axis_name, phases.geo.world
     T, K, dp = cfg.max_tokens, cfg.experts_per_token, cfg.dp_size
@@ -158,9 +191,18 @@ def _combine_bwd(phases, residuals, dy):
     # (exact for anything computed from the replicas' identical weights; each replica's own share would need its
     # own dy dispatched).
     d_weights = (d_weights / dp).astype(topk_weights.dtype)
-    if given_weights is None:  # the weights came with dispatch: their cotangent goes back through the handle
-        return d_expert_y, _handle_cotangent(handle, d_weights), None
+    if dispatch_follows.shape[0] == 0:
+        # The dispatch was not differentiated (its x needs no gradient: a frozen embedding), so no rule of its will
+        # combine: this one finishes the round trip with a combine of zero rows (its result unread, so tied to what
+        # is read).
+        closed = backward.combine(jnp.zeros(expert_y.shape, cfg.out_dtype), handle,
+                                  jnp.zeros((T, K), jnp.float32))
+        tie = _tie(closed)
+        d_expert_y, d_weights = d_expert_y + tie.astype(d_expert_y.dtype), d_weights + tie.astype(d_weights.dtype)
+    if given_weights is None or handle.grad_link is not None:  # weights or link: a cotangent goes to the handle
+        handle_ct = _handle_cotangent(handle, d_weights if given_weights is None else None)
+        return d_expert_y, handle_ct, None if given_weights is None else d_weights
     return d_expert_y, None, d_weights
 
 
-combine.defvjp(_combine_fwd, _combine_bwd)
+combine.defvjp(_combine_fwd, _combine_bwd, symbolic_zeros=True)

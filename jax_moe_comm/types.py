@@ -40,6 +40,9 @@ class CombineHandle:
     topk_weights: float32 [max_tokens, K], the weights given to dispatch, or None. With them combine takes no
         weights of its own; on the NVSHMEM backend's NVLink path they travelled with the tokens' ids, so the
         pre-reduced combine_send does not exchange them.
+    grad_link:  float32 [0] from a differentiable dispatch (``MoEComm.dispatch`` with custom_vjp), else None. Holds
+        no data: whether it carries a gradient tells combine's gradient rule whether dispatch's follows it (they
+        share one backward round trip; autodiff.py).
     """
 
     row_origin: Array
@@ -47,6 +50,7 @@ class CombineHandle:
     num_tokens: Array
     status: Array
     topk_weights: Array | None = None
+    grad_link: Array | None = None
 
 
 @pytree_dataclass

@@ -1,0 +1,146 @@
+"""Every backward round trip is whole, whatever a training step differentiates.
+
+A layer's backward is one round trip shared by two gradient rules (autodiff.py): combine's rule dispatches dy, and
+dispatch's rule combines the row gradients. When the dispatch is not differentiated (its x needs no gradient: a
+frozen embedding, or a model that trains only the experts and the router), dispatch's rule never runs, and before
+the fix the next round trip found a dispatch where a combine belonged ("expected combine_send" on the GPU). The
+handle's grad_link tells combine's rule whether dispatch's follows; when it does not, combine's rule finishes the
+round trip itself.
+
+Here the NVSHMEM backend's program is traced with a stand-in plan (nothing runs): its kernel calls, in program
+order, must form whole round trips, one after the other; and the reference backend with the same rules
+(custom_vjp=True) gives plain AD's gradients in the same steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ep_mesh
+from jax.sharding import PartitionSpec as P
+
+from jax_moe_comm import MoEComm, MoECommConfig, autodiff
+from jax_moe_comm import nvshmem_backend as nb
+
+WORLD, E, K, H, T, LAYERS = 2, 8, 2, 16, 8, 3
+ROUND_TRIP = {True: ["dispatch", "combine"],  # NVLink path: the fused calls
+              False: ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]}
+
+
+def nvshmem_comm(p2p: bool) -> MoEComm:
+    """A MoEComm whose phases are the NVSHMEM backend's on a stand-in plan: traceable and lowerable on CPU."""
+    cfg = MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = MoEComm(cfg, ep_mesh(WORLD), backend="reference", custom_vjp=True, check_errors=False)
+    plan = nb.Plan(comm._geo, ctx=1, p2p=p2p, rank=0, layout={}, window_slots=None)
+    comm._phases = autodiff.Phases(nb, plan, comm._geo, comm.combine_weights_at)
+    return comm
+
+
+def kernel_order(fn, *args) -> list[str]:
+    """The kernel calls of fn's program in program order (their targets without "jmc_")."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "jmc_kernel_call":
+                found.append(eqn.params["target"].removeprefix("jmc_"))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def two_steps(comm: MoEComm, trains: tuple[str, ...], weights_to: str = "combine", scan: bool = False):
+    """Two SGD steps in one function of (x, ids, params), differentiating only the params named in `trains`
+    ("x", "router", "experts"). Layer: x + combine(tanh(ragged_dot(dispatch(x), experts)), softmax gates)."""
+
+    def layer(x, ids, router, experts):
+        gates = jax.nn.softmax(jnp.take_along_axis(x @ router, jnp.maximum(ids, 0), axis=1), axis=-1)
+        d = comm.dispatch(x, ids, topk_weights=gates if weights_to == "dispatch" else None)
+        expert_y = jnp.tanh(jax.lax.ragged_dot(d.expert_x, experts, d.group_sizes))
+        return x + comm.combine(expert_y, d.handle, gates if weights_to == "combine" else None)
+
+    def model(x, ids, router, experts):
+        if scan:
+            step = jax.checkpoint(lambda x, p: (layer(x, *p), None))
+            return jax.lax.scan(step, x, (ids, router, experts))[0]
+        for i in range(LAYERS):
+            x = layer(x, ids[i], router[i], experts[i])
+        return x
+
+    mapped = jax.shard_map(model, mesh=comm.mesh, in_specs=(P("ep"), P(None, "ep"), P(), P(None, "ep")),
+                           out_specs=P("ep"))
+
+    def steps(x, ids, params):
+        losses = []
+        for _ in range(2):
+            def loss(trained, params=params):
+                p = {**params, **trained}
+                return jnp.mean(mapped(p["x"], ids, p["router"], p["experts"]) ** 2)
+
+            value, grads = jax.value_and_grad(loss)({name: params[name] for name in trains})
+            params = {**params, **{name: params[name] - 0.1 * grads[name] for name in trains}}
+            losses.append(value)
+        return jnp.stack(losses), params
+
+    return steps
+
+
+def inputs(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([np.argsort(rng.random((WORLD * T, E)), axis=1)[:, :K] for _ in range(LAYERS)]).astype(np.int32)
+    ids[:, ::3, 1] = -1
+    params = {"x": rng.standard_normal((WORLD * T, H)).astype(np.float32),
+              "router": rng.standard_normal((LAYERS, H, E)).astype(np.float32),
+              "experts": (rng.standard_normal((LAYERS, E, H, H)) / np.sqrt(H)).astype(np.float32)}
+    return params["x"], ids, params
+
+
+TRAINED = [("router", "experts"), ("experts",), ("router",), ("x", "router", "experts")]
+
+
+@pytest.mark.parametrize("p2p", [True, False], ids=["fused", "four phases"])
+@pytest.mark.parametrize("weights_to", ["combine", "dispatch"])
+@pytest.mark.parametrize("trains", TRAINED, ids=["+".join(t) for t in TRAINED])
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan of checkpointed layers"])
+def test_every_backward_round_trip_is_whole(p2p, weights_to, trains, scan):
+    """Two training steps in one jit: the kernel calls form whole round trips in program order (forward: one per
+    layer; backward: one per layer, the first layer's too when its x is frozen)."""
+    x, ids, params = inputs()
+    order = kernel_order(two_steps(nvshmem_comm(p2p), trains, weights_to, scan), x, ids, params)
+    trip = ROUND_TRIP[p2p]
+    calls_per_step = (1 if scan else LAYERS) * 2 * len(trip)
+    assert order == trip * (len(order) // len(trip)), order
+    assert len(order) == 2 * calls_per_step, order  # two steps, each layer forward and backward
+
+
+@pytest.mark.parametrize("weights_to", ["combine", "dispatch"])
+@pytest.mark.parametrize("trains", TRAINED[:3], ids=["+".join(t) for t in TRAINED[:3]])
+def test_the_rules_give_plain_ad_gradients_with_x_frozen(weights_to, trains):
+    """Where combine's rule finishes the round trip itself (x frozen), the custom VJP still equals plain AD."""
+    x, ids, params = inputs(1)
+    cfg = MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    results = [jax.jit(two_steps(MoEComm(cfg, ep_mesh(WORLD), backend="reference", custom_vjp=custom), trains,
+                                 weights_to))(x, ids, params) for custom in (True, False)]
+    for got, want in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_a_differentiated_expert_x_whose_combine_is_not_raises():
+    """expert_x reaches the loss but the combine's output does not: dispatch's rule would have to open a round trip
+    of its own; it says so instead."""
+    comm = nvshmem_comm(True)
+    x, ids, params = inputs()
+
+    def loss(x, ids):
+        d = comm.dispatch(x, ids)
+        comm.combine(d.expert_x, d.handle, jnp.ones((T, K), jnp.float32))  # its output unread
+        return jnp.sum(d.expert_x ** 2)
+
+    mapped = jax.shard_map(jax.grad(loss), mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep"))
+    with pytest.raises(ValueError, match="expert_x of a dispatch is differentiated but the combine of its handle is "
+                                         "not"):
+        jax.make_jaxpr(mapped)(x, ids[0])
