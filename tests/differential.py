@@ -55,8 +55,8 @@ class Setup:
     """What a draw compiles. ``options``: MoEComm keyword arguments as (name, value) pairs ("window_slots": the
     max_symmetric_bytes that leaves the config a window of that many slots per source). ``remat``: a POLICIES key, or
     None for no jax.checkpoint; ``grad``: None, "grad" or "value_and_grad" (loop and scan); ``frozen_x``: the train
-    step leaves x untrained (a frozen embedding: dispatch's backward is then a round trip whose result nothing
-    reads)."""
+    step leaves x untrained (a frozen embedding: the first layer's dispatch is then not differentiated, and
+    combine's gradient rule finishes its backward round trip)."""
 
     world: int
     payload: str
@@ -497,18 +497,21 @@ def pattern_fn(comm: jmc.MoEComm, setup: Setup):
         # turns a last-bit difference of a near-zero gradient into a whole step).
         opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
 
-        # Two steps in one jit (gradient accumulation, or a loop of steps): with x frozen, nothing reads the result of
-        # dispatch's backward, and only the buffer set's order (kernel_call's ordered effect) runs it before the
-        # second step's first dispatch.
+        # Two steps in one jit (a loop of steps): with x frozen the first layer's dispatch has no gradient rule run.
         @jax.jit
         def train(x, layer_ids, router, experts, n, target):
             params = {"router": router, "experts": experts, **({} if setup.frozen_x else {"x": x})}
             state = opt.init(params)
+            ids = layer_ids
             for _ in range(2):  # the second step's routing weights come from updated parameters
                 value, grads = jax.value_and_grad(
-                    lambda p: loss(p.get("x", x), layer_ids, p["router"], p["experts"], n, target))(params)
+                    lambda p, ids=ids: loss(p.get("x", x), ids, p["router"], p["experts"], n, target))(params)
                 updates, state = opt.update(grads, state, params)
                 params = optax.apply_updates(params, updates)
+                # The routing is drawn data here; a model's comes from its router, which the step trained, so the
+                # next step's routing depends on this step's parameters (0 * a parameter): with x frozen that is what
+                # orders the next step's first dispatch after this step's round trips (docs/design.md, caveats).
+                ids = layer_ids + (0 * jnp.sum(params["router"])).astype(layer_ids.dtype)
             return {"loss": value, **params}
 
         return train
