@@ -195,8 +195,9 @@ def _combine_bwd(phases, residuals, dy):
         # The dispatch was not differentiated (its x needs no gradient: a frozen embedding), so no rule of its will
         # combine: this one finishes the round trip with a combine of zero rows (its result unread, so tied to what
         # is read).
-        closed = backward.combine(jnp.zeros(expert_y.shape, cfg.out_dtype), handle,
-                                  jnp.zeros((T, K), jnp.float32))
+        # Zero rows made from the backward dispatch's: XLA runs this combine after that dispatch.
+        zero_rows = (expert_dy * 0).astype(cfg.out_dtype)
+        closed = backward.combine(zero_rows, handle, jnp.zeros((T, K), jnp.float32))
         tie = _tie(closed)
         d_expert_y, d_weights = d_expert_y + tie.astype(d_expert_y.dtype), d_weights + tie.astype(d_weights.dtype)
     if given_weights is None or handle.grad_link is not None:  # weights or link: a cotangent goes to the handle
