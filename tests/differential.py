@@ -117,6 +117,19 @@ class Draw:
         return Draw(Setup(**setup), Inputs(**data["inputs"]))
 
 
+# Draws the tester failed on the GPU, replayed by name before every sample (tests/gpu/xla_differential.py). Open:
+# experts' gradients 4-5% from the reference (bound 4e-2) with x quantized to fp8 and bf16 outputs, one token, one
+# expert, three or four layers; not yet explained (tests/gpu/LAST_RUN.md).
+REGRESSIONS = {
+    "quantize bf16, E1 K1 T1, 3-layer loop: experts' gradients": (
+        '{"setup": {"world": 1, "payload": "quantize", "out_dtype": "bfloat16", "E": 1, "K": 1, "H": 192, "T": 1, '
+        '"scale_block": 64, "align": 16, "capacity": null, "capacity_factor": null, "overflow": "drop", "dp_size": 1, '
+        '"weights_at": "combine", "check_errors": true, "options": [["low_latency_max_tokens", 1], '
+        '["prereduce_min_tokens", 1]], "pattern": "loop", "layers": 3, "remat": null, "grad": "value_and_grad", '
+        '"frozen_x": false}, "inputs": {"seed": 85257, "routing": "dropped", "num_tokens": "partial"}}'),
+}
+
+
 # The generator ----------------------------------------------------------------------------------------------
 @st.composite
 def setups(draw, world: int = 1, patterns: tuple[str, ...] = PATTERNS, small: bool = False) -> Setup:
@@ -532,8 +545,10 @@ def pattern_args(mesh: Mesh, arr: Arrays, num_tokens: np.ndarray | None = None) 
 
 
 def compare_trees(got, want, tol: float, what: str) -> str | None:
-    """None if every leaf of `got` is within `tol` of `want` (norm ratio), else what differs."""
+    """None if every leaf of `got` is within `tol` of `want` (norm ratio), else what differs, with every leaf's
+    error (and norm) for the diagnosis."""
     named = jax.tree_util.tree_flatten_with_path(got)[0]
+    failed, report = None, []
     for (path, _), a, b in zip(named, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         i = jax.tree_util.keystr(path) or "output"
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -541,9 +556,10 @@ def compare_trees(got, want, tol: float, what: str) -> str | None:
             return f"{what} {i}: non-finite values"
         scale = max(float(np.linalg.norm(b)), 1e-30)
         err = float(np.linalg.norm(a - b)) / scale
-        if err > tol:
-            return f"{what} {i}: relative error {err:.2e} > {tol:.0e}"
-    return None
+        report.append(f"{i} {err:.1e} of {scale:.1e}")
+        if err > tol and failed is None:
+            failed = f"{what} {i}: relative error {err:.2e} > {tol:.0e}"
+    return None if failed is None else f"{failed} (every leaf: {', '.join(report)})"
 
 
 # Running draws ----------------------------------------------------------------------------------------------

@@ -50,3 +50,11 @@ def test_a_sample_across_two_processes_gathers_without_collectives_and_agrees():
     output = done.stdout + done.stderr
     assert "[rank 0] differential: 6 draws, 0 failures (world 2" in done.stdout, output[-4000:]
     assert done.returncode == 0, output[-4000:]
+
+
+@pytest.mark.parametrize("name", sorted(differential.REGRESSIONS))
+def test_every_named_regression_replays(name):
+    """The named draws of earlier GPU failures stay valid draws: each replays on the reference backend (its custom
+    VJP against plain AD or the oracle), as the GPU runner replays them on the NVSHMEM backend (--regressions)."""
+    draw = differential.Draw.from_json(differential.REGRESSIONS[name])
+    assert differential.run_draw(draw, "reference") is None

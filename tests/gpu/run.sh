@@ -22,7 +22,8 @@
 #                               HARNESS_CASES=0: not the cases; HARNESS_DIFFERENTIAL=N: then N differential draws)
 #   DIFFERENTIAL="S R [L]"      the differential tester through XLA (tests/gpu/xla_differential.py), RANKS processes: S
 #                               setups (config, options, call pattern) of R runs each, against the oracle and the
-#                               reference backend (L: seconds after which no setup starts)
+#                               reference backend (L: seconds after which no setup starts), after the named draws of
+#                               earlier failures (differential.REGRESSIONS)
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
 #                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
@@ -111,7 +112,7 @@ if [ -n "${DIFFERENTIAL:-}" ]; then  # "setups runs"
   read -r d_setups d_runs d_limit <<< "$DIFFERENTIAL"
   step "differential tester through XLA, ${RANKS:-2} rank(s): $d_setups setups x $d_runs runs"
   timeout 900 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/xla_differential.py --setups "$d_setups" \
-    --runs "$d_runs" --time-limit "${d_limit:-0}" > "$LOGS/differential.log" 2>&1
+    --runs "$d_runs" --time-limit "${d_limit:-0}" --regressions > "$LOGS/differential.log" 2>&1
   rc=$?
   grep -E "^\[rank 0\] (FAIL|  replay|differential:|time limit)" "$LOGS/differential.log" | tee -a "$OUT/summary.txt"
   step "differential exit code $rc"

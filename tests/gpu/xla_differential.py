@@ -1,7 +1,7 @@
 """The differential tester (tests/differential.py) on the NVSHMEM backend through XLA, one process per GPU (or
 several processes sharing one: the checking code issues no XLA collective, see jax_moe_comm.launch.host_gather).
 
-    python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --setups 50 --runs 4 [--seed S]
+    python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --setups 50 --runs 4 [--seed S] [--regressions]
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --replay '<a draw's JSON>'
     python -m jax_moe_comm.launch -n 2 --cpu -- tests/gpu/xla_differential.py --backend reference ...   # CPU
 
@@ -36,6 +36,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=4, help="inputs per Setup (one compilation)")
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
     parser.add_argument("--replay", default="", metavar="JSON", help="one draw, as a failure printed it")
+    parser.add_argument("--regressions", action="store_true",
+                        help="first the named draws of earlier failures (differential.REGRESSIONS), at world 1")
     parser.add_argument("--small", action="store_true", help="rows of at most 256 elements, at most 65 tokens")
     parser.add_argument("--backend", default="nvshmem", choices=("nvshmem", "reference"),
                         help="the backend under test (reference: its custom VJP, on any platform)")
@@ -54,6 +56,9 @@ def main() -> int:
         groups = [[differential.Draw.from_json(args.replay)]]
     else:
         groups = differential.sample(world, args.setups, args.runs, args.seed, small=args.small)
+    if args.regressions and world == 1:
+        named = [differential.Draw.from_json(text) for text in differential.REGRESSIONS.values()]
+        groups = [[draw] for draw in named] + groups
     draws = failures = 0
     t_start = time.time()
     for group in groups:
