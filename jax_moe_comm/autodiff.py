@@ -75,18 +75,12 @@ class Phases:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def dispatch(phases: Phases, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
              topk_weights: Array | None = None) -> Dispatched:
-    return _linked(phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights))
-
-
-def _linked(d: Dispatched) -> Dispatched:
-    """d with the handle's grad_link: when this dispatch is differentiated the link carries a gradient into combine,
-    whose rule then leaves the backward round trip to this one's rule to finish (see _combine_bwd)."""
-    return dataclasses.replace(d, handle=dataclasses.replace(d.handle, grad_link=jnp.zeros((0,), jnp.float32)))
+    return phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
 
 
 def _dispatch_fwd(phases, *args):
     x, topk_ids, scales, num_tokens, topk_weights = custom_vjp_primal_tree_values(args)
-    d = _linked(phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights))
+    d = phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
     quantized = np.dtype(x.dtype) != phases.geo.cfg.dtype  # dispatch(..., quantize=...): bf16 x, fp8 rows
     # x's dtype, and for a quantizing dispatch the scales: the rows' gradient w.r.t. x passes the quantization
     # straight through (x ~ expert_x * scale, so d/dx = d/d expert_x / scale).
@@ -100,17 +94,23 @@ def _dispatch_bwd(phases, residuals, ct: Dispatched):
     # Weights given to dispatch only pass into the handle: their cotangent is the one combine gave the handle's.
     d_weights = ct.handle.topk_weights
     d_weights = None if handle.topk_weights is None or isinstance(d_weights, SymbolicZero) else d_weights
-    if isinstance(ct.handle.grad_link, SymbolicZero):  # combine's rule did not run: no backward round trip is open
-        if not isinstance(rows, SymbolicZero):
-            raise ValueError("expert_x of a dispatch is differentiated but the combine of its handle is not (its "
-                             "output does not reach the loss): the custom VJP's rules need both")
+    opened = not isinstance(ct.handle.grad_link, SymbolicZero)  # combine's rule dispatched dy and left this open
+    if not opened and isinstance(rows, SymbolicZero):  # neither rule has anything to send
         return None, None, None, None, d_weights
     rows = jnp.zeros(rows.shape, rows.dtype) if isinstance(rows, SymbolicZero) else rows
     if quantized_scales is not None:
         rows = rows.astype(jnp.float32) / jnp.repeat(quantized_scales, cfg.scale_block, axis=1)
     rows = rows.astype(cfg.out_dtype)  # combine carries rows no wider than out_dtype
     live = (handle.topk_ids >= 0).astype(jnp.float32)  # combine drops dead slots and tokens >= num_tokens itself
-    dx = phases.backward().combine(rows, handle, live).astype(x_dtype)  # x's cotangent has x's dtype
+    backward = phases.backward()
+    if not opened:
+        # Combine's rule did not run, or finished its round trip itself (it saw no gradient on the link: the handle
+        # under stop_gradient): open one with a dispatch of zero rows on the same routing (the combine's kernels
+        # read what that routing's dispatch stored), after the rows, which come after everything it depends on.
+        zeros = jnp.zeros((cfg.max_tokens, cfg.hidden), backward.geo.cfg.dtype)
+        opening = backward.dispatch(zeros, handle.topk_ids, None, handle.num_tokens, after=rows).expert_x
+        rows = rows + _tie(opening).astype(rows.dtype)  # so the combine runs after it
+    dx = backward.combine(rows, handle, live).astype(x_dtype)  # x's cotangent has x's dtype
     dp = cfg.dp_size
     if dp > 1:  # every replica received the group's dx; each replica's x only sent the tokens it owns
         own = jnp.arange(cfg.max_tokens) % dp == jax.lax.axis_index(phases.geo.axis_name) % dp

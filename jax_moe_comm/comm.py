@@ -249,6 +249,10 @@ class MoEComm:
             impl, plan, grad_plan = reference, self._geo, grad_geo
         grad = None if grad_geo is None else autodiff.Phases(impl, grad_plan, grad_geo, self.combine_weights_at)
         self._phases = autodiff.Phases(impl, plan, self._geo, self.combine_weights_at, grad)
+        # The custom VJPs take symbolic zeros (autodiff.py), which an eager shard_map refuses; inside jit every
+        # composition takes them, so the differentiable calls are jitted (a no-op inside a caller's jit).
+        self._dispatch_vjp = jax.jit(lambda *args: autodiff.dispatch(self._phases, *args))
+        self._combine_vjp = jax.jit(lambda *args: autodiff.combine(self._phases, *args))
         if self.backend == "nvshmem" and self.options.check_errors is True:  # failures raised later: see close()
             global _exit_report_registered
             _OPEN.add(self)
@@ -436,7 +440,7 @@ class MoEComm:
         if topk_weights is not None:
             self._check_weights(topk_weights)
         if self.custom_vjp:
-            d = autodiff.dispatch(self._phases, x, topk_ids, scales, num_tokens, topk_weights)
+            d = self._dispatch_vjp(x, topk_ids, scales, num_tokens, topk_weights)
         else:
             d = self._phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
         return load.with_load(self._geo, d)
@@ -468,7 +472,7 @@ class MoEComm:
             raise ValueError("topk_weights is required: give them to combine or to dispatch")
         self._check_combine_weights(handle, topk_weights)
         if self.custom_vjp:
-            return autodiff.combine(self._phases, expert_y, handle, topk_weights)
+            return self._combine_vjp(expert_y, handle, topk_weights)
         return self._phases.combine(expert_y, handle, topk_weights)
 
 
