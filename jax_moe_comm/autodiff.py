@@ -55,8 +55,10 @@ class Phases:
     grad: Phases | None = None
 
     def dispatch(self, x, topk_ids, scales, num_tokens, topk_weights=None, after=None) -> Dispatched:
-        """after: an array this dispatch must run after (the backward's dispatch of dy: the forward's output)."""
-        return self.impl.dispatch(self.plan, x, topk_ids, scales, num_tokens, topk_weights, after)
+        """after: an array this dispatch must run after (the backward's dispatch of dy: the forward's output). The
+        handle gets its grad_link (see _combine_fwd) here, whether or not the custom VJPs are used."""
+        d = self.impl.dispatch(self.plan, x, topk_ids, scales, num_tokens, topk_weights, after)
+        return dataclasses.replace(d, handle=dataclasses.replace(d.handle, grad_link=jnp.zeros((0,), jnp.float32)))
 
     def combine(self, expert_y, handle, topk_weights) -> Array:
         return self.impl.combine(self.plan, expert_y, handle, topk_weights, self.weights_at)

@@ -440,8 +440,7 @@ def _dispatched(plan: Plan, received, topk_ids: Array, num_tokens: Array, topk_w
                 *statuses: Array) -> Dispatched:
     expert_x, expert_scales, group_sizes, row_origin = received
     handle = CombineHandle(row_origin=row_origin, topk_ids=topk_ids, num_tokens=num_tokens,
-                           status=errors.first_failure(*statuses), topk_weights=topk_weights,
-                           grad_link=jnp.zeros((0,), jnp.float32))
+                           status=errors.first_failure(*statuses), topk_weights=topk_weights)
     return Dispatched(expert_x, expert_scales if plan.geo.cfg.is_fp8 else None, group_sizes, handle)
 
 

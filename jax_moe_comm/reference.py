@@ -160,8 +160,7 @@ def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
         expert_scales = _scatter_rows(cap, (row,), p.recv_scales.reshape((-1,) + p.recv_scales.shape[2:])[order], 0)
     row_origin = _scatter_rows(cap, (row,), origin, -1)
     handle = CombineHandle(row_origin=row_origin, topk_ids=p.topk_ids, num_tokens=p.num_tokens,
-                           status=errors.first_failure(p.status, overflow), topk_weights=p.topk_weights,
-                           grad_link=jnp.zeros((0,), jnp.float32))
+                           status=errors.first_failure(p.status, overflow), topk_weights=p.topk_weights)
     return Dispatched(expert_x=expert_x, expert_scales=expert_scales, group_sizes=group_sizes, handle=handle)
 
 
