@@ -42,6 +42,12 @@ from .config import Geometry
 from .types import CombineHandle, Dispatched
 
 
+def with_grad_link(d: Dispatched) -> Dispatched:
+    """d with its handle's grad_link (see _combine_fwd): every dispatch's handle has one, whatever made it, so handles
+    have one structure whether or not the custom VJPs are used."""
+    return dataclasses.replace(d, handle=dataclasses.replace(d.handle, grad_link=jnp.zeros((0,), jnp.float32)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Phases:
     """One backend's phases (``impl``: reference or nvshmem_backend) on one buffer set (``plan``: that backend's),
@@ -55,10 +61,8 @@ class Phases:
     grad: Phases | None = None
 
     def dispatch(self, x, topk_ids, scales, num_tokens, topk_weights=None, after=None) -> Dispatched:
-        """after: an array this dispatch must run after (the backward's dispatch of dy: the forward's output). The
-        handle gets its grad_link (see _combine_fwd) here, whether or not the custom VJPs are used."""
-        d = self.impl.dispatch(self.plan, x, topk_ids, scales, num_tokens, topk_weights, after)
-        return dataclasses.replace(d, handle=dataclasses.replace(d.handle, grad_link=jnp.zeros((0,), jnp.float32)))
+        """after: an array this dispatch must run after (the backward's dispatch of dy: the forward's output)."""
+        return with_grad_link(self.impl.dispatch(self.plan, x, topk_ids, scales, num_tokens, topk_weights, after))
 
     def combine(self, expert_y, handle, topk_weights) -> Array:
         return self.impl.combine(self.plan, expert_y, handle, topk_weights, self.weights_at)

@@ -419,7 +419,8 @@ class MoEComm:
 
     def dispatch_recv(self, pending) -> Dispatched:
         """Waits for the rows of ``dispatch_send`` and returns them packed by local expert."""
-        return load.with_load(self._geo, self._phases.impl.dispatch_recv(self._phases.plan, pending))
+        d = self._phases.impl.dispatch_recv(self._phases.plan, pending)
+        return load.with_load(self._geo, autodiff.with_grad_link(d))
 
     def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None,
                  num_tokens: Array | None = None, topk_weights: Array | None = None,
