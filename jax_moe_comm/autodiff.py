@@ -141,8 +141,9 @@ def combine(phases: Phases, expert_y: Array, handle: CombineHandle, topk_weights
 
 
 def _combine_fwd(phases, *args):
-    # The link carries a gradient exactly when the dispatch was differentiated, so that its rule will combine the
-    # backward round trip that this rule's dispatch of dy opens.
+    # The link carries a gradient when the dispatch was differentiated, so that its rule will combine the backward
+    # round trip that this rule's dispatch of dy opens (JAX can also give it one on the way, through a scan carry,
+    # an optimization barrier or a cond output: docs/design.md, "Autodiff").
     dispatch_follows = args[1].grad_link is not None and args[1].grad_link.perturbed
     expert_y, handle, topk_weights = custom_vjp_primal_tree_values(args)
     y = phases.combine(expert_y, handle, topk_weights)
