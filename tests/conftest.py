@@ -17,6 +17,7 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 
 import jax  # noqa: E402
+import jax.extend  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
@@ -191,3 +192,18 @@ def standalone_cpu_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     env["JAX_PLATFORMS"] = "cpu"
     return env
+
+
+def kernel_targets(fn, *args) -> list[str]:
+    """The custom-call targets of the kernel calls in fn's program, in program order (traced only: nothing runs)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "jmc_kernel_call":
+                found.append(eqn.params["target"])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

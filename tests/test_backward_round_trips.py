@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ep_mesh
+from conftest import ep_mesh, kernel_targets
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_comm import MoEComm, MoECommConfig, autodiff
@@ -40,17 +40,7 @@ def nvshmem_comm(p2p: bool) -> MoEComm:
 
 def kernel_order(fn, *args) -> list[str]:
     """The kernel calls of fn's program in program order (their targets without "jmc_")."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "jmc_kernel_call":
-                found.append(eqn.params["target"].removeprefix("jmc_"))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [target.removeprefix("jmc_") for target in kernel_targets(fn, *args)]
 
 
 def two_steps(comm: MoEComm, trains: tuple[str, ...], weights_to: str = "combine", scan: bool = False):

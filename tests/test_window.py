@@ -8,7 +8,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import pytest
-from conftest import ep_mesh
+from conftest import ep_mesh, kernel_targets
 
 from jax_moe_comm import MoEComm, MoECommConfig, memory
 from jax_moe_comm import nvshmem_backend as nb
@@ -106,21 +106,6 @@ def test_a_whole_r1_model_at_ep64_fits_a_one_gib_bound():
     unbounded = memory.heap_bytes(cfg, 64, jnp.bfloat16)
     bounded = memory.heap_bytes(cfg, 64, jnp.bfloat16, max_bytes=memory.GIB)
     assert bounded <= memory.GIB < unbounded
-
-
-def kernel_targets(fn, *args) -> list[str]:
-    """The custom-call targets of the kernel calls in fn's program, in program order (traced only: nothing runs)."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "jmc_kernel_call":
-                found.append(eqn.params["target"])
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
 
 
 @pytest.mark.parametrize("window_slots, weights_at, calls", [
