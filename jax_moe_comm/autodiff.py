@@ -9,8 +9,9 @@ which is how the rules are tested against plain AD on CPU (and against the refer
   token, unweighted); each replica keeps the tokens it sent. Scales, ids and counts get no gradient.
 - combine backward: a dispatch of ``dy`` with the same routing (so its rows land in the forward's layout), scaled
   on the expert side by each row's weight, plus ``dw[t, k] = <dy[t], expert_y[row(t, k)]>`` computed per row on the
-  expert side and sent home. The weights and the per-row dot products travel by ``all_gather`` (T·K and
-  capacity floats per rank: small next to the rows).
+  expert side and sent home. At world > 1 the weights go out and the per-row dot products come home through a round
+  trip of this library's own on a buffer set of its own (``Phases.weights``: rows of K float32 weights, the same
+  routing hence the same layout), so the backward issues no XLA collective; at world 1 every row is local.
 
 A training step's backward is then one more round trip on the same MoEComm (for an fp8 payload, on its
 ``grad_dtype`` buffer set, so that ``dy`` travels unquantized; the layout is the forward's, as the routing is):
@@ -20,8 +21,8 @@ backward, hence on that dispatch). One MoEComm carries one round trip at a time;
 phase order on the device and fail with a message (errors.OUT_OF_ORDER) instead of mixing two round trips' rows.
 When the dispatch is not differentiated (x frozen) its rule never runs: the handle's grad_link tells combine's rule
 so, and it finishes the round trip with a combine of zero rows (docs/design.md, "Autodiff").
-With ``dp_size > 1`` the replicas' ``dy`` are summed before the dispatch (an
-``all_gather``), each replica keeps ``dx`` of the tokens it sent, and the group's ``dw`` is shared out equally over
+With ``dp_size > 1`` the replicas' ``dy`` are summed before the dispatch (an ``all_gather``, the one XLA collective
+of a backward), each replica keeps ``dx`` of the tokens it sent, and the group's ``dw`` is shared out equally over
 its replicas (their sum is exact; so is any gradient of the replicas' identical weights).
 """
 
@@ -59,6 +60,9 @@ class Phases:
     geo: Geometry
     weights_at: str  # where the fused combine gives the weights: "send" or "recv"
     grad: Phases | None = None
+    # The backward's weights exchange (see _exchange_weights), on buffers of its own: needed by combine's rule at
+    # world > 1 (None at world 1, and in the phases of grad).
+    weights: Phases | None = None
 
     def dispatch(self, x, topk_ids, scales, num_tokens, topk_weights=None, after=None) -> Dispatched:
         """after: an array this dispatch must run after (the backward's dispatch of dy: the forward's output)."""
@@ -151,6 +155,27 @@ def _combine_fwd(phases, *args):
     return y, (expert_y, handle, topk_weights, done, jnp.zeros((int(dispatch_follows),), jnp.float32))
 
 
+def _exchange_weights(exchange: Phases | None, topk_weights: Array, handle: CombineHandle, slot: Array,
+                      has_token: Array, row_dot: Array, after: Array) -> tuple[Array, Array]:
+    """(each row's weight [capacity], dw [T, K] float32) through one round trip of the weights exchange on the
+    forward's routing, which gives its rows the forward's layout: the dispatch takes each token's K weights to its
+    rows (row p keeps column slot(p)); the combine brings row p's dot product home in column slot(p) of a row of
+    zeros, with weight 1 on every live slot, so column k of token t sums slot k's row alone. `after`: the backward's
+    dispatch of dy (this round trip follows the later layer's, whose gradients that dispatch needed)."""
+    if exchange is None:
+        raise ValueError("combine's gradient at world > 1 needs the phases' weights exchange (Phases.weights)")
+    cfg = exchange.geo.cfg
+    columns = jnp.arange(cfg.hidden)
+    rows = jnp.zeros((cfg.max_tokens, cfg.hidden), jnp.float32).at[:, :cfg.experts_per_token].set(
+        topk_weights.astype(jnp.float32))
+    sent = exchange.impl.dispatch(exchange.plan, rows, handle.topk_ids, None, handle.num_tokens, None, after)
+    row_weight = jnp.where(has_token, jnp.sum(jnp.where(columns == slot[:, None], sent.expert_x, 0.0), axis=1), 0.0)
+    dots = jnp.where((columns == slot[:, None]) & has_token[:, None], row_dot[:, None], 0.0)
+    live = (handle.topk_ids >= 0).astype(jnp.float32)
+    home = exchange.impl.combine(exchange.plan, dots, sent.handle, live, "recv")
+    return row_weight, home[:, :cfg.experts_per_token]
+
+
 def _handle_cotangent(handle: CombineHandle, d_weights: Array | None) -> CombineHandle:
     """The handle's cotangent: d_weights for the weights it carries (given to dispatch), zeros for its integers, and
     a (data-free) gradient for its grad_link: it tells dispatch's rule that this rule opened the backward round
@@ -182,18 +207,18 @@ def _combine_bwd(phases, residuals, dy):
     expert_dy = expert_dy.astype(jnp.float32)
     origin = handle.row_origin
     has_token = origin >= 0
-    group, slot = jnp.where(has_token, origin // (T * K), 0), jnp.where(has_token, origin % (T * K), 0)
-
-    all_weights = jax.lax.all_gather(topk_weights.reshape(-1), axis)  # [world, T*K]
-    row_weight = jnp.where(has_token, all_weights[group * dp, slot], 0.0)  # any replica's: they are the same
-    d_expert_y = (row_weight[:, None] * expert_dy).astype(expert_y.dtype)
-
+    slot = jnp.where(has_token, origin % K, 0)
     row_dot = jnp.where(has_token, jnp.sum(expert_dy * expert_y.astype(jnp.float32), axis=-1), 0.0)  # [capacity]
-    all_dots = jax.lax.all_gather(row_dot, axis).reshape(-1)
-    all_origin = jax.lax.all_gather(origin, axis).reshape(-1)
-    mine = (all_origin >= 0) & (all_origin // (T * K) == rank // dp)
-    index = jnp.where(mine, all_origin % (T * K), T * K)  # others dropped
-    d_weights = jnp.zeros((T * K,), jnp.float32).at[index].add(all_dots, mode="drop").reshape(T, K)
+    if world == 1:  # every row is this rank's own token: origin = token * K + slot
+        row_weight = jnp.where(has_token, topk_weights.reshape(-1)[jnp.where(has_token, origin, 0)], 0.0)
+        index = jnp.where(has_token, origin, T * K)  # others dropped
+        d_weights = jnp.zeros((T * K,), jnp.float32).at[index].add(row_dot, mode="drop").reshape(T, K)
+    else:
+        row_weight, d_weights = _exchange_weights(phases.weights, topk_weights, handle, slot, has_token, row_dot,
+                                                  after=expert_dy)
+    d_expert_y = (row_weight[:, None] * expert_dy).astype(expert_y.dtype)
+    if world > 1:  # the exchange's round trip ends before whatever the experts' backward feeds
+        d_expert_y = d_expert_y + _tie(d_weights).astype(d_expert_y.dtype)
     # With DP replicas the dots hold the group's dy: the sum of the replicas' weight gradients, shared out equally
     # (exact for anything computed from the replicas' identical weights; each replica's own share would need its
     # own dy dispatched).

@@ -38,10 +38,11 @@ def _report_unraised_at_exit() -> None:
     outputs nobody read, with no check after it) is printed once. Registered after NVSHMEM's finalize (initialize), so
     it runs before it."""
     for comm in list(_OPEN):
-        if comm._phases is not None:
-            text = nvshmem_backend.take_unraised(comm._phases.plan)
+        for plan in comm._plans():
+            text = nvshmem_backend.take_unraised(plan)
             if text is not None:
                 print(f"{text} (reported at exit: no check raised it)", file=sys.stderr, flush=True)
+                break
 
 
 def _axis_names(name: str, value: Any) -> tuple[str, ...]:
@@ -168,7 +169,8 @@ class MoEComm:
         each). The same layout and results bit for bit.
       staged: send through symmetric staging buffers and put-with-signal even where NVLink stores reach every peer
         (the path to peers off NVLink; True tests it on one node). The same results bit for bit.
-      max_symmetric_bytes: a bound on ``symmetric_bytes`` (per GPU). None (default): no bound, every row of a round
+      max_symmetric_bytes: a bound on the round trips' share of ``symmetric_bytes`` (per GPU; the backward's weights
+        exchange, whose rows are K float32 weights, comes on top). None (default): no bound, every row of a round
         trip has its own slot. Below what the config needs, the rows travel in rounds through buffers of one round
         (``window_tokens`` tokens of every DP group a round: the fewest rounds that fit, the tokens split evenly
         among them): the same layout and results bit for bit, at the cost of grid barriers and signal exchanges per
@@ -242,13 +244,21 @@ class MoEComm:
         # The low-latency path's combine is per slot: the weights go to combine_recv there.
         prereduce = cfg.max_tokens >= options.prereduce_min_tokens and not low_latency
         self.combine_weights_at = "send" if prereduce else "recv"
+        # Combine's gradient rule at world > 1 sends the weights out and their gradients home through a round trip
+        # of its own on buffers of its own (autodiff.py): the backward then issues no XLA collective.
+        weights_geo = None
+        if self.custom_vjp and self.world > 1:
+            weights_geo = Geometry(cfg.weights_exchange_config(self.world), self.world, ep_axes,
+                                   dataclasses.replace(options, max_symmetric_bytes=None))
         if self.backend == "nvshmem":
             impl, plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh, self._shared_with)
             grad_plan = None if grad_geo is None else nvshmem_backend.share_plan(plan, grad_geo)
+            weights_plan = None if weights_geo is None else nvshmem_backend.create_plan(weights_geo, mesh)
         else:
-            impl, plan, grad_plan = reference, self._geo, grad_geo
+            impl, plan, grad_plan, weights_plan = reference, self._geo, grad_geo, weights_geo
         grad = None if grad_geo is None else autodiff.Phases(impl, grad_plan, grad_geo, self.combine_weights_at)
-        self._phases = autodiff.Phases(impl, plan, self._geo, self.combine_weights_at, grad)
+        weights = None if weights_geo is None else autodiff.Phases(impl, weights_plan, weights_geo, "recv")
+        self._phases = autodiff.Phases(impl, plan, self._geo, self.combine_weights_at, grad, weights)
         # The custom VJPs take symbolic zeros (autodiff.py), which an eager shard_map refuses; inside jit every
         # composition takes them, so the differentiable calls are jitted (a no-op inside a caller's jit).
         self._dispatch_vjp = jax.jit(lambda *args: autodiff.dispatch(self._phases, *args))
@@ -285,29 +295,39 @@ class MoEComm:
         """Raises MoECommError for a failure the device has reported and no check has raised yet (NVSHMEM backend;
         no synchronization: call it after the step's outputs are ready, e.g. after the last step). A routing error
         is raised once; a protocol failure until ``reset()``. The reference backend raises in the round trip."""
-        if self.backend == "nvshmem" and self._phases is not None:
-            nvshmem_backend.raise_pending(self._phases.plan)  # the backward's round trips share these host words
+        for plan in self._plans():  # an fp8 layer's backward round trips share the first's host words
+            nvshmem_backend.raise_pending(plan)
 
     def reset(self) -> None:
         """After a failure, the MoEComm as created (NVSHMEM backend; collective: every process calls it, after the
         failed step has ended). Waits for this device's queued work. A no-op on the reference backend, which keeps
         no state between calls."""
-        if self.backend == "nvshmem" and self._phases is not None:
-            nvshmem_backend.reset_plan(self._phases.plan)  # and the backward's, which shares its state
+        for plan in self._plans():  # an fp8 layer's backward round trips share the first's state
+            nvshmem_backend.reset_plan(plan)
 
     def close(self) -> None:
         """Frees the NVSHMEM symmetric buffers (collective: every process closes its MoEComm in the same order). With
         check_errors=True it waits for this device's queued work first and then raises MoECommError for a failure that
         no check has raised (after freeing: the MoEComm is closed either way)."""
         if self.backend == "nvshmem" and self._phases is not None:
-            unraised = nvshmem_backend.take_unraised(self._phases.plan) if self in _OPEN else None
+            unraised = None
+            for plan in self._plans() if self in _OPEN else ():
+                unraised = unraised or nvshmem_backend.take_unraised(plan)
             if self._phases.grad is not None:  # before the buffers it shares
                 nvshmem_backend.destroy_plan(self._phases.grad.plan)
-            nvshmem_backend.destroy_plan(self._phases.plan)
+            for plan in self._plans():
+                nvshmem_backend.destroy_plan(plan)
             self._phases = None
             _OPEN.discard(self)
             if unraised is not None:
                 raise errors.MoECommError(unraised)
+
+    def _plans(self) -> list:
+        """The NVSHMEM plans with buffers and protocol state of their own: the round trips', then the backward's
+        weights exchange's (none on the reference backend or once closed)."""
+        if self.backend != "nvshmem" or self._phases is None:
+            return []
+        return [self._phases.plan] + ([] if self._phases.weights is None else [self._phases.weights.plan])
 
     # Static sizes ------------------------------------------------------------------------------------
     @property
@@ -325,13 +345,19 @@ class MoEComm:
         staging buffers only where a peer is off NVLink or ``staged=True``). The reference backend uses none; it
         reports the figure of a job on NVLink, for sizing NVSHMEM_SYMMETRIC_SIZE. One MoEComm serves every layer of
         a model, so this is the model's heap (an fp8 payload's backward round trips in grad_dtype included: they
-        share the buffers, each sized for the larger config)."""
+        share the buffers, each sized for the larger config; with custom_vjp at world > 1, the backward's weights
+        exchange included: buffers of its own, rows of K float32 weights)."""
         if self.backend == "nvshmem" and self._phases is not None:
-            return nvshmem_backend.plan_bytes(self._phases.plan)
-        return nvshmem_backend.symmetric_bytes(self.cfg, self.world, staging=self.options.staged,
-                                               shared_with=self._shared_with,
-                                               max_bytes=self.options.max_symmetric_bytes,
-                                               low_latency_max_tokens=self.options.low_latency_max_tokens)
+            return sum(nvshmem_backend.plan_bytes(plan) for plan in self._plans())
+        total = nvshmem_backend.symmetric_bytes(self.cfg, self.world, staging=self.options.staged,
+                                                shared_with=self._shared_with,
+                                                max_bytes=self.options.max_symmetric_bytes,
+                                                low_latency_max_tokens=self.options.low_latency_max_tokens)
+        if self._phases is not None and self._phases.weights is not None:
+            total += nvshmem_backend.symmetric_bytes(self._phases.weights.geo.cfg, self.world,
+                                                     staging=self.options.staged,
+                                                     low_latency_max_tokens=self.options.low_latency_max_tokens)
+        return total
 
     @property
     def window_tokens(self) -> int | None:

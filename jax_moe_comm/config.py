@@ -168,6 +168,13 @@ class MoECommConfig:
         return dataclasses.replace(self, dtype=grad_dtype, scale_block=None, capacity=self.capacity_for(world),
                                    capacity_factor=None)
 
+    def weights_exchange_config(self, world: int) -> MoECommConfig:
+        """The config of the backward's weights exchange (autodiff.py): the same routing, capacity and overflow policy,
+        hence the same layout, with a float32 row of the token's K weights (padded to 4 columns) as the payload."""
+        return dataclasses.replace(self, dtype=jnp.float32, out_dtype=jnp.float32, scale_block=None,
+                                   hidden=round_up(self.experts_per_token, 4), capacity=self.capacity_for(world),
+                                   capacity_factor=None)
+
     def validate_world(self, world: int, axis_name: str | tuple[str, ...]) -> None:
         """Checks that need the EP world size (the product of the EP axes' sizes); ValueError naming the argument
         otherwise."""

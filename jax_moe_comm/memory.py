@@ -25,9 +25,18 @@ def heap_bytes(cfg: MoECommConfig, world: int, grad_dtype: Any = None, staging: 
     """Symmetric heap per GPU of one MoEComm of `cfg` over `world` EP ranks (``comm.symmetric_bytes``): its buffer set,
     for an fp8 payload with grad_dtype sized for the backward round trips' rows too. ``staging``: with the buffers of
     the path to peers off NVLink. ``max_bytes``: MoEComm's max_symmetric_bytes (the windowed heap where the config
-    needs more). ``low_latency_max_tokens``: MoEComm's (the low-latency path's buffers where it is taken)."""
+    needs more). ``low_latency_max_tokens``: MoEComm's (the low-latency path's buffers where it is taken). A
+    differentiated MoEComm at world > 1 adds its weights exchange's buffers (``weights_exchange_bytes``)."""
     shared = () if grad_dtype is None else (cfg.gradient_config(world, grad_dtype),)
     return nvshmem_backend.symmetric_bytes(cfg, world, staging, shared, max_bytes, low_latency_max_tokens)
+
+
+def weights_exchange_bytes(cfg: MoECommConfig, world: int, staging: bool = False) -> int:
+    """Symmetric heap per GPU of the backward's weights exchange, which a MoEComm differentiated with its custom VJP
+    allocates at world > 1 besides its buffer set (rows of K float32 weights; autodiff.py); 0 at world 1."""
+    if world == 1:
+        return 0
+    return nvshmem_backend.symmetric_bytes(cfg.weights_exchange_config(world), world, staging)
 
 
 def expert_x_bytes(cfg: MoECommConfig, world: int) -> int:

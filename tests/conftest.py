@@ -194,16 +194,43 @@ def standalone_cpu_env() -> dict[str, str]:
     return env
 
 
-def kernel_targets(fn, *args) -> list[str]:
-    """The custom-call targets of the kernel calls in fn's program, in program order (traced only: nothing runs)."""
+def kernel_calls(fn, *args) -> list[tuple[str, int]]:
+    """(custom-call target, context) of every kernel call in fn's program, in program order (traced only: nothing
+    runs). The context names the buffer set (the plan) the call runs on."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "jmc_kernel_call":
-                found.append(eqn.params["target"])
+                found.append((eqn.params["target"], int(dict(eqn.params["attributes"]).get("context", -1))))
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def kernel_targets(fn, *args) -> list[str]:
+    """The custom-call targets of the kernel calls in fn's program, in program order (traced only: nothing runs)."""
+    return [target for target, _ in kernel_calls(fn, *args)]
+
+
+ROUND_TRIPS_CONTEXT, WEIGHTS_EXCHANGE_CONTEXT = 1, 2  # the stand-in plans' contexts (nvshmem_stand_in)
+
+
+def nvshmem_stand_in(comm, p2p: bool = True):
+    """`comm` (a reference-backend MoEComm with custom_vjp=True) with the NVSHMEM backend's phases on stand-in plans:
+    its programs trace and lower on CPU (nothing runs; the kernels' calls name the plans' contexts above)."""
+    from jax_moe_comm import autodiff
+    from jax_moe_comm import nvshmem_backend as nb
+
+    def plan(geo, ctx):
+        return nb.Plan(geo, ctx=ctx, p2p=p2p, rank=0, layout={}, window_slots=None)
+
+    weights = None
+    if comm._phases.weights is not None:
+        geo = comm._phases.weights.geo
+        weights = autodiff.Phases(nb, plan(geo, WEIGHTS_EXCHANGE_CONTEXT), geo, "recv")
+    comm._phases = autodiff.Phases(nb, plan(comm._geo, ROUND_TRIPS_CONTEXT), comm._geo, comm.combine_weights_at,
+                                   weights=weights)
+    return comm

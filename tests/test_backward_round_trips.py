@@ -18,11 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ep_mesh, kernel_targets
+from conftest import ROUND_TRIPS_CONTEXT, WEIGHTS_EXCHANGE_CONTEXT, ep_mesh, kernel_calls, nvshmem_stand_in
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_comm import MoEComm, MoECommConfig, autodiff
-from jax_moe_comm import nvshmem_backend as nb
+from jax_moe_comm import MoEComm, MoECommConfig
 
 WORLD, E, K, H, T, LAYERS = 2, 8, 2, 16, 8, 3
 ROUND_TRIP = {True: ["dispatch", "combine"],  # NVLink path: the fused calls
@@ -32,15 +31,13 @@ ROUND_TRIP = {True: ["dispatch", "combine"],  # NVLink path: the fused calls
 def nvshmem_comm(p2p: bool) -> MoEComm:
     """A MoEComm whose phases are the NVSHMEM backend's on a stand-in plan: traceable and lowerable on CPU."""
     cfg = MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
-    comm = MoEComm(cfg, ep_mesh(WORLD), backend="reference", custom_vjp=True, check_errors=False)
-    plan = nb.Plan(comm._geo, ctx=1, p2p=p2p, rank=0, layout={}, window_slots=None)
-    comm._phases = autodiff.Phases(nb, plan, comm._geo, comm.combine_weights_at)
-    return comm
+    return nvshmem_stand_in(MoEComm(cfg, ep_mesh(WORLD), backend="reference", custom_vjp=True, check_errors=False),
+                            p2p)
 
 
-def kernel_order(fn, *args) -> list[str]:
-    """The kernel calls of fn's program in program order (their targets without "jmc_")."""
-    return [target.removeprefix("jmc_") for target in kernel_targets(fn, *args)]
+def kernel_order(fn, *args, context: int = ROUND_TRIPS_CONTEXT) -> list[str]:
+    """The kernel calls of fn's program on one plan (`context`) in program order (their targets without "jmc_")."""
+    return [target.removeprefix("jmc_") for target, ctx in kernel_calls(fn, *args) if ctx == context]
 
 
 def two_steps(comm: MoEComm, trains: tuple[str, ...], weights_to: str = "combine", scan: bool = False):
@@ -98,13 +95,16 @@ TRAINED = [("router", "experts"), ("experts",), ("router",), ("x", "router", "ex
 @pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan of checkpointed layers"])
 def test_every_backward_round_trip_is_whole(p2p, weights_to, trains, scan):
     """Two training steps in one jit: the kernel calls form whole round trips in program order (forward: one per
-    layer; backward: one per layer, the first layer's too when its x is frozen)."""
+    layer; backward: one per layer, the first layer's too when its x is frozen), and so do the weights exchange's
+    (one per layer's backward)."""
     x, ids, params = inputs()
-    order = kernel_order(two_steps(nvshmem_comm(p2p), trains, weights_to, scan), x, ids, params)
+    step = two_steps(nvshmem_comm(p2p), trains, weights_to, scan)
     trip = ROUND_TRIP[p2p]
-    calls_per_step = (1 if scan else LAYERS) * 2 * len(trip)
-    assert order == trip * (len(order) // len(trip)), order
-    assert len(order) == 2 * calls_per_step, order  # two steps, each layer forward and backward
+    layers = 1 if scan else LAYERS  # a scan's body is traced once
+    for context, trips_per_layer in ((ROUND_TRIPS_CONTEXT, 2), (WEIGHTS_EXCHANGE_CONTEXT, 1)):
+        order = kernel_order(step, x, ids, params, context=context)
+        assert order == trip * (len(order) // len(trip)), (context, order)
+        assert len(order) == 2 * layers * trips_per_layer * len(trip), (context, order)  # two steps
 
 
 @pytest.mark.parametrize("weights_to", ["combine", "dispatch"])

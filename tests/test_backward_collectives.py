@@ -1,0 +1,107 @@
+"""A training step's MoE traffic is this library's own: the NVSHMEM backend's forward and backward issue no XLA
+collective.
+
+Combine's gradient needs each row's routing weight on the expert side and each row's dot product with dy at home;
+at world > 1 both travel through a round trip of the library's own (autodiff.py, the weights exchange) instead of
+``all_gather``s. So processes that share one GPU, where NCCL refuses every XLA collective, can train, and a
+backward pass at world > 1 adds nothing to XLA's collective stream.
+
+The NVSHMEM backend's program is lowered here on stand-in plans (nothing runs): the lowered module of a jitted
+training step (forward, backward, update) holds kernel calls and no collective beyond the user's own, which these
+steps avoid (each rank holds its own copy of the router, and its own loss). The same step on the reference backend
+is the check that the count sees collectives where there are some.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ep_mesh, nvshmem_stand_in
+from jax.sharding import PartitionSpec as P
+
+from jax_moe_comm import MoEComm, MoECommConfig
+
+E, K, H, T, LAYERS = 8, 2, 16, 8, 2
+COLLECTIVE = re.compile(r"stablehlo\.(all_gather|all_reduce|all_to_all|collective_permute|reduce_scatter|"
+                        r"collective_broadcast)\b")
+
+
+def collectives(fn, *args) -> list[str]:
+    """The collectives of fn's module lowered for CUDA (StableHLO, before XLA's own partitioning), in order."""
+    return COLLECTIVE.findall(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+
+
+def train_step(comm: MoEComm, weights_to: str, scan: bool, trains_x: bool):
+    """One SGD step of a stack of MoE layers (router top-K, dispatch, tanh experts by ragged_dot, combine), every
+    rank with its own copy of the router and its own loss: user code without a collective."""
+    world = comm.world
+
+    def layer(x, router, experts):
+        topk_weights, topk_ids = jax.lax.top_k(jax.nn.softmax(x @ router, axis=-1), K)
+        d = comm.dispatch(x, topk_ids, topk_weights=topk_weights if weights_to == "dispatch" else None)
+        expert_y = jnp.tanh(jax.lax.ragged_dot(d.expert_x, experts, d.group_sizes))
+        return x + comm.combine(expert_y, d.handle, topk_weights if weights_to == "combine" else None)
+
+    def loss(params, x):  # per shard: router [1, LAYERS, H, E] (this rank's copy), experts [LAYERS, L, H, H]
+        router = params["router"][0]
+        if scan:
+            body = jax.checkpoint(lambda x, p: (layer(x, *p), None))
+            x = jax.lax.scan(body, x, (router, params["experts"]))[0]
+        else:
+            for i in range(LAYERS):
+                x = layer(x, router[i], params["experts"][i])
+        return jnp.mean(x**2)
+
+    def shard_step(params, x):
+        trained = {**params, "x": x} if trains_x else params
+        value, grads = jax.value_and_grad(lambda p: loss(p, p["x"] if trains_x else x))(trained)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, {k: grads[k] for k in params})
+        return params, value.reshape(1)
+
+    specs = {"router": P("ep"), "experts": P(None, "ep")}
+    step = jax.shard_map(shard_step, mesh=comm.mesh, in_specs=(specs, P("ep")), out_specs=(specs, P("ep")))
+    rng = np.random.default_rng(0)
+    params = {"router": jnp.asarray(rng.standard_normal((world, LAYERS, H, E)), jnp.float32),
+              "experts": jnp.asarray(rng.standard_normal((LAYERS, E, H, H)) / np.sqrt(H), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((world * T, H)), jnp.float32)
+    return step, params, x
+
+
+def comm_for(world: int, backend: str) -> MoEComm:
+    cfg = MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = MoEComm(cfg, ep_mesh(world), backend="reference", custom_vjp=True, check_errors=False)
+    return nvshmem_stand_in(comm) if backend == "nvshmem" else comm
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("weights_to", ["combine", "dispatch"])
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan of checkpointed layers"])
+@pytest.mark.parametrize("trains_x", [True, False], ids=["x trained", "x frozen"])
+def test_a_training_step_issues_no_xla_collective(world, weights_to, scan, trains_x):
+    step, params, x = train_step(comm_for(world, "nvshmem"), weights_to, scan, trains_x)
+    assert collectives(step, params, x) == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_count_sees_the_reference_backends_collectives(world):
+    """The same step through the reference backend's collectives: the count is not blind."""
+    step, params, x = train_step(comm_for(world, "reference"), "combine", False, True)
+    found = collectives(step, params, x)
+    assert "all_to_all" in found, found
+
+
+def test_the_weights_exchange_gives_the_all_gather_rules_gradients():
+    """World 4, reference backend, custom VJP (whose weights exchange runs on the reference's own all_to_all): the
+    step's gradients equal plain AD's."""
+    results = []
+    for custom in (True, False):
+        cfg = MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+        comm = MoEComm(cfg, ep_mesh(4), backend="reference", custom_vjp=custom)
+        step, params, x = train_step(comm, "combine", True, True)
+        results.append(jax.jit(step)(params, x))
+    for got, want in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
