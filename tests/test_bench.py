@@ -79,6 +79,27 @@ def test_quick_bench_runs_and_writes_the_record(quick_run):
     assert "reference" in proc.stdout and "padded" in proc.stdout and "total_us" in proc.stdout
 
 
+def test_the_backward_mode_times_and_checks_forward_and_backward_round_trips(tmp_path):
+    """--backward: each step of the chain is a round trip and its gradient's; the padded baseline's gradient of the
+    weights is checked against the reference backend's (plain AD), and the record says which mode it holds."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_FLAGS" and not k.startswith("JAX_") or k == "JAX_ENABLE_X64"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "jax_moe_comm.bench", "--quick", "--backward", "--configs", "v2lite",
+           "--backends", "reference,padded", "--json", str(tmp_path / "backward.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "backward.json").read_text())
+    assert record["backward"] is True and "forward + backward" in proc.stdout
+    rows = {row["backend"]: row for row in record["rows"]}
+    assert rows.keys() == {"reference", "padded"}
+    for row in rows.values():
+        assert row.get("error") is None and row["total_us"] is not None, row
+        assert row["dispatch_us"] is None and row["combine_us"] is None, row  # no halves
+    assert rows["reference"]["rel_err"] is None  # the check itself
+    assert rows["padded"]["rel_err"] < 2e-2, rows["padded"]
+
+
 def test_render_writes_the_table_between_the_markers(quick_run, tmp_path, capsys):
     _, out = quick_run
     render = _load_render()

@@ -67,6 +67,20 @@ def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
     return body
 
 
+def backward_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
+    """round_trip_chain's n round trips and their backward (jax.grad, with respect to the top-k weights): every
+    round trip of the chain then has a backward round trip too (dy dispatched, the row gradients combined home; the
+    first step's x depends on no weight, so its backward combine is one of zero rows). Returns (the chain's x, the
+    weights' gradient), the latter the result the check compares."""
+    forward = round_trip_chain(impl, cfg, n)
+
+    def body(x, scales, ids, w):
+        loss = lambda w: jnp.sum(forward(x, scales, ids, w)[0].astype(jnp.float32))  # noqa: E731
+        return x, jax.grad(loss)(w)
+
+    return body
+
+
 def dispatch_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
     def body(x, scales, ids, w):
         for _ in range(n):

@@ -72,6 +72,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--weights-to", choices=("combine", "dispatch"), default="combine",
                    help="where the MoEComm backends get the top-k weights (default combine; dispatch: they go with "
                         "the tokens' ids, and the NVLink path's pre-reduced combine exchanges none)")
+    p.add_argument("--backward", action="store_true",
+                   help="time forward and backward round trips: each step of the chain is a round trip and its "
+                        "gradient's (jax.grad with respect to the top-k weights); no halves, no probes")
     p.add_argument("--json", default=None, help="write the record (see benchmarks/README.md) to this path")
     p.add_argument("--plot", default=None, help="write a PNG: latency vs tokens per backend, log-log")
     p.add_argument("--quick", action="store_true",
@@ -141,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repeats": args.repeats,
         "check_errors": args.check_errors,
         "weights_to": args.weights_to,
+        "backward": args.backward,
         "options": args.options,
         "seed": seed,
         "configs": {c.name: c.describe() for c in args.config_list},
@@ -186,7 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json()
     if leader:
         print(f"jax_moe_comm bench: {record['device']}, world {world}, {jax.process_count()} process(es), "
-              f"jax {jax.__version__}, chain {args.chain}, repeats {args.repeats}, seed {seed}")
+              f"jax {jax.__version__}, chain {args.chain}, repeats {args.repeats}, seed {seed}"
+              + (", forward + backward round trips" if args.backward else ""))
         print(format_table(record["rows"]))
         if args.json:
             print(f"wrote {args.json}")

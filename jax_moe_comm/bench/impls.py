@@ -44,7 +44,7 @@ class CommImpl(Impl):
     "nvshmem_quantize": nvshmem fed bf16 tokens (the config's fp8 ones dequantized) that its dispatch quantizes."""
 
     def __init__(self, name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool,
-                 weights_to: str = "combine", options: dict | None = None) -> None:
+                 weights_to: str = "combine", options: dict | None = None, backward: bool = False) -> None:
         self.name = name
         backend = "nvshmem" if name in (UNCHECKED, QUANTIZE) else name
         self.halves = backend != "nvshmem"
@@ -54,8 +54,11 @@ class CommImpl(Impl):
             raise ValueError(f"{QUANTIZE} needs an fp8 config; {cfg.name} is {moe.dtype.name}")
         self.quantize = moe.dtype if name == QUANTIZE else None
         self.block = moe.scale_block
+        options = dict(options or {})
+        if backward and moe.is_fp8:  # an fp8 layer's gradients travel in bfloat16
+            options.setdefault("grad_dtype", jnp.bfloat16)
         self.comm = jax_moe_comm.MoEComm(moe, mesh, AXIS, backend=backend,
-                                         check_errors=check_errors and name != UNCHECKED, **(options or {}))
+                                         check_errors=check_errors and name != UNCHECKED, **options)
 
     def inputs(self, x, scales):
         if self.quantize is None:
@@ -121,10 +124,13 @@ class FloorImpl(Impl):
 
 
 def make_impl(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, check_errors: bool = True,
-              weights_to: str = "combine", options: dict | None = None) -> Impl:
-    """`options`: MoEComm keyword options (staged, timeout_s, the thresholds) of the MoEComm backends."""
+              weights_to: str = "combine", options: dict | None = None, backward: bool = False) -> Impl:
+    """`options`: MoEComm keyword options (staged, timeout_s, the thresholds) of the MoEComm backends. `backward`:
+    for timing forward and backward round trips (an fp8 MoEComm then gets grad_dtype bfloat16)."""
     if name in PROBES:
+        if backward:
+            raise ValueError(f"{name} is a probe of one direction's transfer: it has no backward")
         return FloorImpl(cfg, tokens, mesh, flagged=name == "floor_flagged")
     if name in ("nvshmem", UNCHECKED, QUANTIZE, "reference"):
-        return CommImpl(name, cfg, tokens, mesh, check_errors, weights_to, options)
+        return CommImpl(name, cfg, tokens, mesh, check_errors, weights_to, options, backward)
     return BaselineImpl(name, cfg)
