@@ -5,6 +5,12 @@
 Every case builds fresh random routing, runs both backends on the same global arrays and compares: layout
 bit-exact (expert_x and expert_scales rows that hold tokens, group_sizes, handle.row_origin), combine within the
 dtype's tolerance. Prints one line per case and a closing 'N passed, M failed'. Exit code 1 if any failed.
+
+Processes that share one GPU (``CUDA_VISIBLE_DEVICES=0,0,...``, for checking without a GPU per process) cannot run
+an XLA collective: NCCL refuses two ranks on one device. ``--reference-on-cpu`` then runs the reference backend,
+whose round trips are XLA collectives, on a mesh of the same shape made of each process's own CPU devices (every
+process computes the whole reference; ``XLA_FLAGS=--xla_force_host_platform_device_count=N``); the NVSHMEM side and
+the checking code issue no XLA collective (results travel through the jax.distributed key-value store).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm as jmc
@@ -121,7 +127,7 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
                 return d, jmc.combine(comm, y, d.handle, None if to == "dispatch" else w)
             return jax.jit(f)
 
-        d, y = round_trip(comm, weights_to)(xg, ids_g, scales, n_g, w_g)
+        d, y = round_trip(comm, weights_to)(*on(comm, xg, ids_g, scales, n_g, w_g))
         results[backend] = gather((d, y))
         if backend == "nvshmem" and weights_to == "dispatch":
             y_there = gather(round_trip(comm, "combine")(xg, ids_g, scales, n_g, w_g)[1])
@@ -170,6 +176,53 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
     return f"rows {int(dr.group_sizes.sum())}, combine rel err {err:.1e}"
 
 
+def case_global_view(seed, kind):
+    """The global view (jmc.dispatch / jmc.combine on arrays sharded ``comm.batch_spec``) on a mesh of every
+    process's device other than one plain EP axis, against the reference backend (layout and counts bit for bit,
+    combine within tolerance): "EP groups": ("data", "ep") = (2, world / 2), two EP groups that exchange among
+    themselves; "Explicit": one EP axis of AxisType.Explicit."""
+    devices = np.array(jax.devices())
+    if kind == "EP groups":
+        if devices.size < 4 or devices.size % 2:
+            raise Skip("needs an even number of ranks, 4 or more")
+        mesh = Mesh(devices.reshape(2, -1), ("data", "ep"))
+    else:
+        mesh = Mesh(devices, ("ep",), axis_types=(AxisType.Explicit,))
+    cfg = jmc.MoECommConfig(16, 4, 64, 16, dtype=jnp.bfloat16, align=4)
+    rng = np.random.default_rng(seed)
+    rows = devices.size * cfg.max_tokens
+    host = (rng.standard_normal((rows, cfg.hidden)).astype(np.float32).astype(jnp.bfloat16),
+            np.argsort(rng.random((rows, cfg.num_experts)), 1)[:, :cfg.experts_per_token].astype(np.int32),
+            rng.integers(0, cfg.max_tokens + 1, devices.size).astype(np.int32),
+            rng.random((rows, cfg.experts_per_token)).astype(np.float32))
+    results = {}
+    for backend in ("nvshmem", "reference"):
+        comm = make_comm(cfg, mesh, backend)
+        sharding = NamedSharding(comm.mesh, comm.batch_spec)
+        x, ids, n, w = (jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index]) for a in host)
+
+        @jax.jit
+        def round_trip(x, ids, n, w, comm=comm):
+            d = jmc.dispatch(comm, x, ids, num_tokens=n)
+            y = (d.expert_x.astype(jnp.float32) * 1.5).astype(cfg.out_dtype)
+            return d, jmc.combine(comm, y, d.handle, w)
+
+        try:
+            results[backend] = gather(round_trip(x, ids, n, w))
+        finally:
+            comm.close()
+    (dn, yn), (dr, yr) = results["nvshmem"], results["reference"]
+    for name in ("group_sizes", "expert_counts", "dropped_rows"):
+        assert np.array_equal(getattr(dn, name), getattr(dr, name)), f"{name} differ"
+    assert np.array_equal(dn.handle.row_origin, dr.handle.row_origin), "row_origin differs"
+    real = dr.handle.row_origin >= 0
+    assert np.array_equal(dn.expert_x[real].view(np.uint16), dr.expert_x[real].view(np.uint16)), "expert_x differs"
+    yn32, yr32 = yn.astype(np.float32), yr.astype(np.float32)
+    err = float(np.abs(yn32 - yr32).max() / max(np.abs(yr32).max(), 1e-30))
+    assert err <= TOLERANCE["bfloat16"], f"combine rel err {err:.2e}"
+    return f"mesh {dict(mesh.shape)}, rows {int(dr.group_sizes.sum())}, combine rel err {err:.1e}"
+
+
 def split_halves(comm, x, ids, scales, n, w, weights_at="send", quantize=None):
     """dispatch_send; independent compute; dispatch_recv; combine_send; independent compute; combine_recv. The
     weights go to combine_send (pre-reduced on NVLink), to combine_recv (rows per slot) or to dispatch_send (then as
@@ -187,14 +240,44 @@ def split_halves(comm, x, ids, scales, n, w, weights_at="send", quantize=None):
 OPTIONS: dict = {}  # MoEComm options of every MoEComm the cases make (with_options)
 
 
+REFERENCE_ON_CPU = False  # --reference-on-cpu: the reference backend's MoEComms on the processes' own CPU devices
+
+
+def reference_mesh(mesh: Mesh) -> Mesh:
+    """`mesh`'s shape and axes on this process's CPU devices (the reference backend's mesh with --reference-on-cpu)."""
+    devices = jax.local_devices(backend="cpu")
+    if len(devices) < mesh.size:
+        raise RuntimeError(f"--reference-on-cpu needs {mesh.size} CPU devices per process, this one has "
+                           f"{len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_count={mesh.size}")
+    return Mesh(np.array(devices[:mesh.size]).reshape(mesh.devices.shape), mesh.axis_names,
+                axis_types=mesh.axis_types)
+
+
 def make_comm(cfg, mesh, backend, **options) -> jmc.MoEComm:
     """A MoEComm over "ep" with the running case's options (and `options`). A "window_slots" entry (windowed) becomes
-    the max_symmetric_bytes that gives this config that window."""
+    the max_symmetric_bytes that gives this config that window. With --reference-on-cpu a reference MoEComm lives on
+    reference_mesh(mesh): build its programs over ``comm.mesh`` and give it arrays through ``on(comm, ...)``."""
     options = {**OPTIONS, **options}
     if "window_slots" in options:
         shared = () if options.get("grad_dtype") is None else (cfg.gradient_config(mesh.size, options["grad_dtype"]),)
         options["max_symmetric_bytes"] = window_bound(cfg, mesh.size, options.pop("window_slots"), shared)
+    if backend == "reference" and REFERENCE_ON_CPU:
+        mesh = reference_mesh(mesh)
     return jmc.MoEComm(cfg, mesh, "ep", backend, **options)
+
+
+def on(comm: jmc.MoEComm, *arrays):
+    """`arrays` (global arrays, None kept) on comm's mesh with the same partitioning: as they are when they already
+    live there, else their global values (host_gather: no XLA collective) placed anew."""
+    def place(a):
+        if a is None or set(a.sharding.device_set) <= set(comm.mesh.devices.flat):
+            return a
+        host = gather(a)
+        sharding = NamedSharding(comm.mesh, a.sharding.spec)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    placed = tuple(place(a) for a in arrays)
+    return placed if len(placed) != 1 else placed[0]
 
 
 def with_options(case, label: str, **options):
@@ -253,16 +336,17 @@ def case_scan_layers(mesh, seed):
             xs = (ids.reshape(32, 4, 4).transpose(1, 0, 2), w.reshape(32, 4, 4).transpose(1, 0, 2))
             return jax.lax.scan(layer, x, xs)[0]
 
-        f = jax.jit(jax.shard_map(layers, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        f = jax.jit(jax.shard_map(layers, mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep")))
         t0 = time.time()
-        compiled = f.lower(x, ids, w).compile()
+        args = on(comm, x, ids, w)
+        compiled = f.lower(*args).compile()
         if backend == "nvshmem" and os.environ.get("JMC_HLO_DIR") and jax.process_index() == 0:
             with open(os.path.join(os.environ["JMC_HLO_DIR"], "scan_layers.hlo"), "w") as out:
                 out.write(compiled.as_text())
         t1 = time.time()
-        outs[backend] = gather(compiled(x, ids, w))
+        outs[backend] = gather(compiled(*args))
         t2 = time.time()
-        again = gather(compiled(x, ids, w))  # the second call: steady state, apart from first-call set-up
+        again = gather(compiled(*args))  # the second call: steady state, apart from first-call set-up
         times[backend] = (t1 - t0, t2 - t1, time.time() - t2)
         assert np.array_equal(again, outs[backend]), f"{backend}: the second call differs from the first"
         comm.close()
@@ -290,7 +374,7 @@ def case_repeat(mesh, seed, calls=200):
         ids = to_global(mesh, np.argsort(rng.random((world * 16, 8)), 1)[:, :2].astype(np.int32))
         w = to_global(mesh, rng.random((world * 16, 2)).astype(np.float32))
         if i % 20 == 0 or i == calls - 1:
-            a, b = gather(f(comm, x, ids, w)), gather(f(ref, x, ids, w))
+            a, b = gather(f(comm, x, ids, w)), gather(f(ref, *on(ref, x, ids, w)))
             worst = max(worst, float(np.abs(a - b).max()))
         else:
             f(comm, x, ids, w)
@@ -338,11 +422,11 @@ def case_grad(mesh, seed, dp_size=1, linear_loss=False):
                                    precision=jax.lax.Precision.HIGHEST)
             return comm.combine(y, d.handle, w)
 
-        mapped = jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        mapped = jax.shard_map(shard, mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep"))
         power = 1 if linear_loss else 2
         loss = jax.jit(jax.grad(lambda x, w, ew, ids, f=mapped, p=power: jnp.sum(f(x, ids, w, ew) ** p),
                                 argnums=(0, 1, 2)))
-        grads[backend] = gather(loss(x, w, expert_w, ids))  # global arrays are arguments, never closed over
+        grads[backend] = gather(loss(*on(comm, x, w, expert_w, ids)))  # global arrays are arguments, never closed over
         comm.close()
     return compare_grads(grads, ("x", "topk_weights", "expert weights"), 1e-4)
 
@@ -370,10 +454,10 @@ def case_grad_fp8(mesh, seed, block=128):
             y = jnp.tanh(jax.lax.ragged_dot(rows, ew, d.group_sizes)).astype(jnp.bfloat16)
             return comm.combine(y, d.handle, w).astype(jnp.float32)
 
-        mapped = jax.shard_map(shard, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        mapped = jax.shard_map(shard, mesh=comm.mesh, in_specs=P("ep"), out_specs=P("ep"))
         loss = jax.jit(jax.grad(lambda w, ew, x8, sc, ids, f=mapped: jnp.sum(f(x8, sc, ids, w, ew) ** 2),
                                 argnums=(0, 1)))
-        grads[backend] = gather(loss(args[3], ew, *args[:3]))
+        grads[backend] = gather(loss(*on(comm, args[3], ew, *args[:3])))
         comm.close()
     return compare_grads(grads, ("topk_weights", "expert weights"), 1e-2)
 
@@ -459,8 +543,8 @@ def case_grad_composition(mesh, seed, composition, layers=3):
                 x, y = layer(comms[0], x, ids[i], w[i], ew[i]), layer(comms[1], y, ids[i], w[i], 0.5 * ew[i])
             return x + y
 
-        mapped = jax.shard_map(shard, mesh=mesh, in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P(None, "ep")),
-                               out_specs=P("ep"))
+        mapped = jax.shard_map(shard, mesh=comms[0].mesh,
+                               in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P(None, "ep")), out_specs=P("ep"))
         loss = jax.jit(jax.grad(lambda x, ids, w, ew, f=mapped: jnp.sum(f(x, ids, w, ew) ** 2), argnums=(0, 2, 3)))
         if backend == "nvshmem" and jax.process_index() == 0:
             compiled = loss.lower(*args).compile()
@@ -470,7 +554,7 @@ def case_grad_composition(mesh, seed, composition, layers=3):
                           "w") as f:
                     f.write(compiled.as_text())
         try:
-            grads[backend] = gather(loss(*args))
+            grads[backend] = gather(loss(*on(comms[0], *args)))
         finally:
             for comm in comms:
                 comm.close()
@@ -481,8 +565,10 @@ def case_two_train_steps_frozen_input(mesh, seed, layers=3, steps=2, learning_ra
     """Two SGD steps in one jit with x frozen (a frozen embedding): the first layer's dispatch is not differentiated,
     so combine's gradient rule finishes that layer's backward round trip itself (with the dispatch's rule missing,
     the next round trip found "expected combine_send"). The weights after both steps and each step's loss equal plain
-    AD's on the reference backend."""
+    AD's on the reference backend (the losses within 1e-5). The loss is the mean of y**2, summed from each shard's
+    share on the host: the step issues no XLA collective."""
     E, K, H, T = 8, 2, 64, 16
+    world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
     x, ids, w, ew = layered_inputs(mesh, np.random.default_rng(seed), layers, E, K, H, T, 1 / 16)
 
@@ -490,31 +576,36 @@ def case_two_train_steps_frozen_input(mesh, seed, layers=3, steps=2, learning_ra
     for backend in ("nvshmem", "reference"):
         comm = make_comm(cfg, mesh, backend)
 
-        def shard(x, ids, w, ew, comm=comm):
+        def shard(x, ids, w, ew, comm=comm):  # this shard's share of the mean of y**2
             for i in range(layers):
                 x = residual_moe_layer(comm, x, ids[i], w[i], ew[i])
-            return x
+            return (jnp.sum(x**2) / (world * T * H)).reshape(1)
 
-        mapped = jax.shard_map(shard, mesh=mesh, in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P(None, "ep")),
-                               out_specs=P("ep"))
-        loss = lambda w, ew, x, ids, f=mapped: jnp.mean(f(x, ids, w, ew) ** 2)  # noqa: E731
+        shares = jax.shard_map(shard, mesh=comm.mesh,
+                               in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P(None, "ep")), out_specs=P("ep"))
 
         @jax.jit
-        def train(x, ids, w, ew, loss=loss):
+        def train(x, ids, w, ew, shares=shares):
             losses = []
             for _ in range(steps):
-                value, (dw, dew) = jax.value_and_grad(loss, argnums=(0, 1))(w, ew, x, ids)
+                value, grad_of = jax.vjp(lambda w, ew, ids=ids: shares(x, ids, w, ew), w, ew)
+                dw, dew = grad_of(jnp.ones_like(value))  # the gradient of the sum of the shares: the mean's
                 w, ew, losses = w - learning_rate * dw, ew - learning_rate * dew, losses + [value]
                 # A model's routing comes from its trained router; here it is data, tied to the trained weights
-                # (0 * w) as a router's would be: that orders the next step's first dispatch after this step.
-                ids = ids + (0 * jnp.sum(w)).astype(ids.dtype)
+                # (0 * w, element by element) as a router's would be: that orders the next step's first dispatch
+                # after this step.
+                ids = ids + (0 * w).astype(ids.dtype)
             return w, ew, jnp.stack(losses)
 
         try:
-            results[backend] = gather(train(x, ids, w, ew))
+            results[backend] = gather(train(*on(comm, x, ids, w, ew)))
         finally:
             comm.close()
-    return compare_grads(results, ("topk_weights after 2 steps", "expert weights after 2 steps", "losses"), 1e-4)
+    losses = {backend: result[2].sum(axis=1) for backend, result in results.items()}
+    loss_err = float(np.abs(losses["nvshmem"] - losses["reference"]).max() / np.abs(losses["reference"]).max())
+    assert loss_err <= 1e-5, f"losses rel err {loss_err:.2e}: {losses}"
+    said = compare_grads(results, ("topk_weights after 2 steps", "expert weights after 2 steps", "loss shares"), 1e-4)
+    return f"losses {losses['nvshmem']} (rel err {loss_err:.1e}); {said}"
 
 
 def case_grad_one_comm_remat_layers(mesh, seed, layers=58):
@@ -542,17 +633,18 @@ def case_grad_one_comm_remat_layers(mesh, seed, layers=58):
                 x = rematerialized(x, ids[i], w[i], ew[i])
             return x
 
-        mapped = jax.shard_map(shard, mesh=mesh, in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P(None, "ep")),
-                               out_specs=P("ep"))
+        mapped = jax.shard_map(shard, mesh=comm.mesh,
+                               in_specs=(P("ep"), P(None, "ep"), P(None, "ep"), P(None, "ep")), out_specs=P("ep"))
         loss = jax.jit(jax.grad(lambda x, ids, w, ew, f=mapped: jnp.sum(f(x, ids, w, ew) ** 2), argnums=(0, 2, 3)))
         try:
-            compiled = loss.lower(*args).compile()
+            placed = on(comm, *args)
+            compiled = loss.lower(*placed).compile()
             if backend == "nvshmem" and comm._phases.plan.p2p:  # the fused calls: one per layer and direction
                 hlo = compiled.as_text()
                 for target in ("jmc_dispatch", "jmc_combine"):
                     found = hlo.count(f'custom_call_target="{target}"')
                     assert found == 2 * layers, f"{found} {target} calls for {layers} layers, forward and backward"
-            grads[backend] = gather(compiled(*args))
+            grads[backend] = gather(compiled(*placed))
         finally:
             comm.close()
     return f"{layers} layers: " + compare_grads(grads, ("x", "topk_weights", "expert weights"), 1e-4)
@@ -817,11 +909,16 @@ def main() -> int:
     parser.add_argument("--bootstrap", default="auto", help="jax_moe_comm.initialize's bootstrap")
     parser.add_argument("--case-limit", type=float, default=180.0,
                         help="seconds after which a case that has not returned dumps every stack and ends the rank")
+    parser.add_argument("--reference-on-cpu", action="store_true",
+                        help="the reference backend on each process's CPU devices (processes sharing one GPU)")
+    parser.add_argument("--symmetric-size", default="8G", help="NVSHMEM's symmetric heap per process")
     args = parser.parse_args()
     initialize_distributed()
-    jmc.initialize(symmetric_size="8G", bootstrap=args.bootstrap)
+    jmc.initialize(symmetric_size=args.symmetric_size, bootstrap=args.bootstrap)
     if args.staged:
         OPTIONS.update(staged=True)
+    global REFERENCE_ON_CPU
+    REFERENCE_ON_CPU = args.reference_on_cpu
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     world = mesh.shape["ep"]
     seed = from_process_0("cases_seed", lambda: args.seed)  # every rank draws the same data
@@ -926,6 +1023,8 @@ def main() -> int:
             mesh, s, "", C(32, 8, 512, 1024, dtype=fp8, scale_block=128)), 256)),
         ("windowed: a rank receives nothing", lambda s: windowed(lambda: run_case(
             mesh, s, "", C(8, 2, 64, 16, dtype=bf16), kind="rank0_only"), 6)),
+        ("global view: EP groups on a (data, ep) mesh", lambda s: case_global_view(s, "EP groups")),
+        ("global view: an Explicit EP axis", lambda s: case_global_view(s, "Explicit")),
         ("scan over 4 layers", lambda s: case_scan_layers(mesh, s)),
         ("200 repeated calls", lambda s: case_repeat(mesh, s)),
         ("grad: custom VJP vs plain AD", lambda s: case_grad(mesh, s)),
