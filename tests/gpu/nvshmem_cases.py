@@ -402,6 +402,9 @@ def case_grad(mesh, seed, dp_size=1, linear_loss=False):
     world = mesh.shape["ep"]
     if world % dp_size:
         raise Skip(f"needs a multiple of {dp_size} ranks")
+    if dp_size > 1 and REFERENCE_ON_CPU:
+        raise Skip("with dp_size > 1 the backward sums the replicas' dy by an XLA all_gather, which processes that "
+                   "share a GPU cannot run")
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32, dp_size=dp_size)
     rng = np.random.default_rng(seed)
     L = 8 // world
@@ -815,6 +818,70 @@ def case_bad_ids_in_a_chain(mesh, seed, sync: bool = False):
         comm.close()
 
 
+def every_process(key: str, text: str) -> list[str]:
+    """`text` of every process, in process order, through the jax.distributed key-value store (no XLA collective)."""
+    if jax.process_count() == 1:
+        return [text]
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    client.key_value_set(f"jax_moe_comm/cases/{key}/{jax.process_index()}", text)
+    return [client.blocking_key_value_get(f"jax_moe_comm/cases/{key}/{p}", 120_000)
+            for p in range(jax.process_count())]
+
+
+def raised_text(exc: BaseException) -> str:
+    """The library's message in a raised error (the words after "jax_moe_comm:"), one line."""
+    return str(exc).split("jax_moe_comm:")[-1].split("\n")[0].strip()
+
+
+def case_one_rank_faults(mesh, seed, fault):
+    """A fault on one process, every process raising the same error once: "bad id" (the last rank's token 3 names
+    expert 99) or "late" (the last process calls 2.5 timeouts after the others). The failed call gives NaN on every
+    rank; the next call raises the same message on every process; after that (a reset for a protocol failure) a
+    round trip is correct again, with no second raise."""
+    world = mesh.shape["ep"]
+    if world < 2:
+        raise Skip("needs two ranks")
+    cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = make_comm(cfg, mesh, "nvshmem", timeout_s=2)
+
+    @jax.jit
+    def step(x, i, w):
+        d = jmc.dispatch(comm, x, i)
+        return jmc.combine(comm, d.expert_x, d.handle, w)
+
+    good = np.tile(np.array([[0, 5]], np.int32), (world * 16, 1))
+    bad = good.copy()
+    if fault == "bad id":
+        bad[(world - 1) * 16 + 3, 1] = 99
+    x = to_global(mesh, np.ones((world * 16, 64), np.float32))
+    w = to_global(mesh, np.ones((world * 16, 2), np.float32))
+    try:
+        if fault == "late" and jax.process_index() == jax.process_count() - 1:
+            time.sleep(2.5 * comm.timeout_s)
+        start = time.time()
+        first = np.asarray(gather(step(x, to_global(mesh, bad), w)), np.float32)
+        assert np.isnan(first).all(), "the failed call gave numbers"
+        try:
+            jax.block_until_ready(step(x, to_global(mesh, good), w))
+            text = "nothing raised"
+        except Exception as exc:  # noqa: BLE001 (compared below)
+            text = raised_text(exc)
+        took = time.time() - start
+        texts = every_process(f"{fault}/{seed}", text)
+        assert len(set(texts)) == 1, f"the processes raised different errors: {texts}"
+        want = "expert id 99 of token 3 is outside" if fault == "bad id" else "timed out waiting for rank"
+        assert want in texts[0], texts[0]
+        if fault == "late":
+            comm.reset()
+        y = gather(step(x, to_global(mesh, good), w))  # raised once: the next call runs and is correct
+        np.testing.assert_array_equal(y, np.full((world * 16, 64), 2.0, np.float32))
+        return f"every process raised, {took:.1f}s: {texts[0][:90]}; then correct"
+    finally:
+        comm.close()
+
+
 def case_timeout(mesh, seed):
     """Rank 1 skips a call: rank 0's round trip fails after one timeout (NaN), and its next call raises naming the
     phase and the peer. Both ranks then close the MoEComm (collective: rank 1 waits there for rank 0)."""
@@ -1053,6 +1120,8 @@ def main() -> int:
         ("bad expert id in a chain of 3 round trips", lambda s: case_bad_ids_in_a_chain(mesh, s)),
         ("bad expert id, nothing after: close() raises it", lambda s: case_unraised_failure_at_close(mesh, s)),
         ("bad expert id in a chain, check_errors='sync'", lambda s: case_bad_ids_in_a_chain(mesh, s, sync=True)),
+        ("fault on one process: a bad id", lambda s: case_one_rank_faults(mesh, s, "bad id")),
+        ("fault on one process: late by 2.5 timeouts", lambda s: case_one_rank_faults(mesh, s, "late")),
         ("timeout (rank 1 skips)", lambda s: case_timeout(mesh, s)),  # last: the timeouts last (3 s from here on)
         ("ids first: timeout (rank 1 skips)", lambda s: ids_first(lambda: case_timeout(mesh, s))),
         ("windowed: timeout (rank 1 skips)", lambda s: windowed(lambda: case_timeout(mesh, s), 4)),
