@@ -980,6 +980,10 @@ def main() -> int:
                         help="the reference backend on each process's CPU devices (processes sharing one GPU)")
     parser.add_argument("--symmetric-size", default="8G", help="NVSHMEM's symmetric heap per process")
     args = parser.parse_args()
+    faulthandler.enable()  # a crash prints every thread's Python stack
+    if args.reference_on_cpu:
+        # The reference's programs are each process's own (its CPU devices): in-process collectives, no gloo.
+        jax.config.update("jax_cpu_collectives_implementation", None)
     initialize_distributed()
     jmc.initialize(symmetric_size=args.symmetric_size, bootstrap=args.bootstrap)
     if args.staged:
@@ -1136,6 +1140,7 @@ def main() -> int:
         # A case that blocks (ranks that diverged into different collectives: nothing of ours waits this long)
         # prints every thread's stack and ends this rank; the launcher then stops the others.
         faulthandler.dump_traceback_later(args.case_limit, exit=True)
+        print(f"START {name}", file=sys.stderr, flush=True)  # in the log before a crash inside the case
         try:
             info = fn(seed + i)
             ok = True

@@ -192,7 +192,7 @@ if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trac
 fi
 for n in ${SHARED_XLA:-}; do  # N processes on GPU 0: every XLA program of theirs free of XLA collectives (NCCL
   # refuses two ranks on one GPU); each process computes the reference on n CPU devices of its own.
-  shared="CUDA_VISIBLE_DEVICES=0$(printf ',0%.0s' $(seq 2 $n)) NVSHMEM_DISABLE_NCCL=1 \
+  shared="CUDA_VISIBLE_DEVICES=0$(printf ',0%.0s' $(seq 2 $n)) NVSHMEM_DISABLE_NCCL=1 PYTHONFAULTHANDLER=1 \
 XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.5 / $n, 3))") \
 XLA_FLAGS=--xla_force_host_platform_device_count=$n"
   step "XLA cases, $n processes on GPU 0 (the reference on CPU)"
