@@ -18,8 +18,15 @@ from jax.sharding import PartitionSpec as P
 import jax_moe_comm
 from jax_moe_comm import runtime
 
-from .chains import (backward_chain, combine_chain, dispatch_chain, lower_chain, merged_steps, per_step_us,
-                     round_trip_chain)
+from .chains import (
+    backward_chain,
+    combine_chain,
+    dispatch_chain,
+    lower_chain,
+    merged_steps,
+    per_step_us,
+    round_trip_chain,
+)
 from .configs import AXIS, TOLERANCE, Array, BenchConfig, round_trip_bytes
 from .impls import ALL_BACKENDS, PROBES, QUANTIZE, UNCHECKED, BaselineImpl, make_impl
 
