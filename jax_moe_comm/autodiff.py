@@ -40,6 +40,7 @@ from jax import Array
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from .config import Geometry
+from .kernel_call import varying_axes
 from .types import CombineHandle, Dispatched
 
 
@@ -125,12 +126,20 @@ def _dispatch_bwd(phases, residuals, ct: Dispatched):
     if dp > 1:  # every replica received the group's dx; each replica's x only sent the tokens it owns
         own = jnp.arange(cfg.max_tokens) % dp == jax.lax.axis_index(phases.geo.axis_name) % dp
         dx = jnp.where(own[:, None], dx, jnp.zeros_like(dx))
-    if d_weights is not None:  # dx is unread when x is frozen: the weights' gradient then orders this combine
+    if d_weights is not None and varying_axes(dx) <= varying_axes(d_weights):
+        # dx is unread when x is frozen: the weights' gradient then orders this combine. (Weights replicated over the
+        # EP axes have a replicated gradient, which a per-rank tie cannot join.)
         d_weights = d_weights + _tie(dx)
     return dx, None, None, None, d_weights
 
 
 dispatch.defvjp(_dispatch_fwd, _dispatch_bwd, symbolic_zeros=True)
+
+
+def _joined(*arrays: Array) -> Array:
+    """float32 [n], the first element of each array: an operand (a dispatch's `after`) that exists only once every
+    one of them does."""
+    return jnp.stack([a.reshape(-1)[0].astype(jnp.float32) for a in arrays])
 
 
 def _tie(a: Array) -> Array:
@@ -153,6 +162,14 @@ def _combine_fwd(phases, *args):
     y = phases.combine(expert_y, handle, topk_weights)
     done = y.reshape(-1)[:1]  # a value of the forward's last transfer: orders the backward's transfers after it
     return y, (expert_y, handle, topk_weights, done, jnp.zeros((int(dispatch_follows),), jnp.float32))
+
+
+def _summed_to(ct: Array, primal: Array) -> Array:
+    """`ct` summed over the mesh axes it varies over and `primal` does not: a primal replicated over an axis (the same
+    on every rank of it) has for gradient the sum of every rank's, as plain AD's transpose of shard_map's implicit
+    broadcast gives (one psum: the user's replicated input asks for it)."""
+    extra = varying_axes(ct) - varying_axes(primal)
+    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
 def _exchange_weights(exchange: Phases | None, topk_weights: Array, handle: CombineHandle, slot: Array,
@@ -201,9 +218,11 @@ def _combine_bwd(phases, residuals, dy):
         dy = all_dy.reshape(world // dp, dp, T, -1).sum(axis=1)[rank // dp].astype(dy.dtype)
     # dy[t] to every row that token t filled: the forward's routing, hence the forward's layout. This dispatch
     # reuses this MoEComm's buffers, so it must not start before the forward round trip has ended, and dy need not
-    # depend on y (a linear loss): `after` makes the forward's output its operand.
+    # depend on y (a linear loss): `after` makes the forward's output its operand. It holds dy too: the dispatch's
+    # error check (check_errors=True) takes `after` alone, and must not run before dy exists (the later layers'
+    # backward round trips launched), else it waits for round trips queued behind itself.
     expert_dy = backward.dispatch(dy.astype(backward.geo.cfg.dtype), handle.topk_ids, None, handle.num_tokens,
-                                  after=done).expert_x
+                                  after=_joined(done, dy)).expert_x
     expert_dy = expert_dy.astype(jnp.float32)
     origin = handle.row_origin
     has_token = origin >= 0
@@ -232,6 +251,7 @@ def _combine_bwd(phases, residuals, dy):
         closed = backward.combine(zero_rows, handle, jnp.zeros((T, K), jnp.float32))
         tie = _tie(closed)
         d_expert_y, d_weights = d_expert_y + tie.astype(d_expert_y.dtype), d_weights + tie.astype(d_weights.dtype)
+    d_weights = _summed_to(d_weights, topk_weights)
     if given_weights is None or handle.grad_link is not None:  # weights or link: a cotangent goes to the handle
         handle_ct = _handle_cotangent(handle, d_weights if given_weights is None else None)
         return d_expert_y, handle_ct, None if given_weights is None else d_weights

@@ -170,3 +170,73 @@ def test_an_eager_shard_map_differentiates_through_the_custom_vjp():
     got, want = (_one_layer_grad(MoEComm(cfg, ep_mesh(WORLD), backend="reference", custom_vjp=custom), loss_of)(
         x, ids[0]) for custom in (True, False))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def _kernel_calls_reached(jaxpr, tainted: set) -> list[tuple[str, bool]]:
+    """(target, whether an operand depends on a `tainted` variable) of every kernel call in program order, following
+    data into and out of nested jaxprs (jit, shard_map, custom rules) whose operands map one to one onto their
+    inputs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        hit = any(not isinstance(v, jax.extend.core.Literal) and v in tainted for v in eqn.invars)
+        if eqn.primitive.name == "jmc_kernel_call":
+            found.append((eqn.params["target"], hit))
+        subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+        for sub in subs:
+            inner = {w for v, w in zip(eqn.invars, sub.invars, strict=False)
+                     if not isinstance(v, jax.extend.core.Literal) and v in tainted}
+            found += _kernel_calls_reached(sub, inner)
+            hit = hit or any(v in inner for v in sub.outvars if not isinstance(v, jax.extend.core.Literal)) or bool(
+                inner)
+        if hit:
+            tainted.update(eqn.outvars)
+    return found
+
+
+def test_the_backward_dispatch_is_checked_after_its_dy():
+    """With check_errors=True a host-side check runs in front of each dispatch and waits for the round trip two
+    before it. The backward's dispatch of dy must be checked after dy exists, i.e. after the later layers' backward
+    round trips have been launched: a check that XLA may run as soon as the forward's output exists would count a
+    round trip the host has not launched and wait for work queued behind itself (until its deadline)."""
+    cfg = MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = nvshmem_stand_in(MoEComm(cfg, ep_mesh(WORLD), backend="reference", custom_vjp=True, check_errors=True))
+    x, ids, params = inputs()
+
+    def backward(x, ids, experts, dy):
+        def layer(x):
+            d = comm.dispatch(x, ids)
+            return comm.combine(jnp.tanh(jax.lax.ragged_dot(d.expert_x, experts, d.group_sizes)), d.handle,
+                                jax.nn.softmax(x[:, :K], axis=-1))
+        return jax.vjp(layer, x)[1](dy)[0]
+
+    mapped = jax.shard_map(backward, mesh=comm.mesh, in_specs=(P("ep"), P("ep"), P("ep"), P("ep")),
+                           out_specs=P("ep"))
+    closed = jax.make_jaxpr(mapped)(x, ids[0], params["experts"][0], x)
+    dy = closed.jaxpr.invars[3]
+    calls = _kernel_calls_reached(closed.jaxpr, {dy})
+    checks = [hit for target, hit in calls if target == "jmc_check"]
+    assert len(checks) == 3, calls  # the forward dispatch, the backward dispatch of dy, the weights exchange's
+    assert checks == [False, True, True], calls
+
+
+@pytest.mark.parametrize("weights_to", ["combine", "dispatch"])
+def test_replicated_weights_get_the_sum_of_every_ranks_gradient(weights_to):
+    """Routing weights replicated over the EP axis inside shard_map (in_specs P()): the custom VJP returns their
+    gradient replicated, the sum over the ranks, as plain AD does (it failed on the cotangent's type before)."""
+    cfg = MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    x, ids, params = inputs(2)
+    w = jax.nn.softmax(jnp.asarray(np.random.default_rng(3).standard_normal((T, K)), jnp.float32), axis=-1)
+    grads = []
+    for custom in (True, False):
+        comm = MoEComm(cfg, ep_mesh(WORLD), backend="reference", custom_vjp=custom)
+
+        def layer(x, ids, experts, w, comm=comm):
+            d = comm.dispatch(x, ids, topk_weights=w if weights_to == "dispatch" else None)
+            y = jnp.tanh(jax.lax.ragged_dot(d.expert_x, experts, d.group_sizes))
+            return comm.combine(y, d.handle, w if weights_to == "combine" else None)
+
+        mapped = jax.shard_map(layer, mesh=comm.mesh, in_specs=(P("ep"), P("ep"), P("ep"), P()), out_specs=P("ep"))
+        loss = lambda x, experts, w, f=mapped: jnp.sum(f(x, ids[0][:WORLD * T], experts, w) ** 2)  # noqa: E731
+        grads.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, params["experts"][0], w))
+    for got, want in zip(grads[0], grads[1], strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
