@@ -21,7 +21,7 @@ from jax import Array
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import autodiff, errors, load, nvshmem_backend, reference, runtime
+from . import autodiff, errors, load, memory, nvshmem_backend, reference, runtime
 from .config import Geometry, MoECommConfig, Options
 from .types import CombineHandle, Dispatched
 
@@ -38,11 +38,9 @@ def _report_unraised_at_exit() -> None:
     outputs nobody read, with no check after it) is printed once. Registered after NVSHMEM's finalize (initialize), so
     it runs before it."""
     for comm in list(_OPEN):
-        for plan in comm._plans():
-            text = nvshmem_backend.take_unraised(plan)
-            if text is not None:
-                print(f"{text} (reported at exit: no check raised it)", file=sys.stderr, flush=True)
-                break
+        text = comm._take_unraised()
+        if text is not None:
+            print(f"{text} (reported at exit: no check raised it)", file=sys.stderr, flush=True)
 
 
 def _axis_names(name: str, value: Any) -> tuple[str, ...]:
@@ -245,15 +243,26 @@ class MoEComm:
         prereduce = cfg.max_tokens >= options.prereduce_min_tokens and not low_latency
         self.combine_weights_at = "send" if prereduce else "recv"
         # Combine's gradient rule at world > 1 sends the weights out and their gradients home through a round trip
-        # of its own on buffers of its own (autodiff.py): the backward then issues no XLA collective.
-        weights_geo = None
+        # of its own on buffers of its own (autodiff.py): the backward then issues no XLA collective. Its failures
+        # are raised by check(), close() and at exit, not by a check in front of each of its round trips: its
+        # routing is the forward's, whose round trip has reported any routing error already (only its protocol
+        # failures are its own).
+        self._custom_vjp_given = custom_vjp
+        self._weights_geo = None
         if self.custom_vjp and self.world > 1:
-            weights_geo = Geometry(cfg.weights_exchange_config(self.world), self.world, ep_axes,
-                                   dataclasses.replace(options, max_symmetric_bytes=None))
+            self._weights_geo = Geometry(cfg.weights_exchange_config(self.world), self.world, ep_axes,
+                                         dataclasses.replace(options, max_symmetric_bytes=None, check_errors=False))
+        weights_geo = self._weights_geo
         if self.backend == "nvshmem":
             impl, plan = nvshmem_backend, nvshmem_backend.create_plan(self._geo, mesh, self._shared_with)
             grad_plan = None if grad_geo is None else nvshmem_backend.share_plan(plan, grad_geo)
-            weights_plan = None if weights_geo is None else nvshmem_backend.create_plan(weights_geo, mesh)
+            try:
+                weights_plan = None if weights_geo is None else nvshmem_backend.create_plan(weights_geo, mesh)
+            except Exception:
+                if grad_plan is not None:
+                    nvshmem_backend.destroy_plan(grad_plan)
+                nvshmem_backend.destroy_plan(plan)
+                raise
         else:
             impl, plan, grad_plan, weights_plan = reference, self._geo, grad_geo, weights_geo
         grad = None if grad_geo is None else autodiff.Phases(impl, grad_plan, grad_geo, self.combine_weights_at)
@@ -296,7 +305,11 @@ class MoEComm:
         no synchronization: call it after the step's outputs are ready, e.g. after the last step). A routing error
         is raised once; a protocol failure until ``reset()``. The reference backend raises in the round trip."""
         for plan in self._plans():  # an fp8 layer's backward round trips share the first's host words
-            nvshmem_backend.raise_pending(plan)
+            try:
+                nvshmem_backend.raise_pending(plan)
+            except errors.MoECommError as exc:
+                if self._reports(plan, str(exc)):
+                    raise
 
     def reset(self) -> None:
         """After a failure, the MoEComm as created (NVSHMEM backend; collective: every process calls it, after the
@@ -310,9 +323,7 @@ class MoEComm:
         check_errors=True it waits for this device's queued work first and then raises MoECommError for a failure that
         no check has raised (after freeing: the MoEComm is closed either way)."""
         if self.backend == "nvshmem" and self._phases is not None:
-            unraised = None
-            for plan in self._plans() if self in _OPEN else ():
-                unraised = unraised or nvshmem_backend.take_unraised(plan)
+            unraised = self._take_unraised() if self in _OPEN else None
             if self._phases.grad is not None:  # before the buffers it shares
                 nvshmem_backend.destroy_plan(self._phases.grad.plan)
             for plan in self._plans():
@@ -321,6 +332,22 @@ class MoEComm:
             _OPEN.discard(self)
             if unraised is not None:
                 raise errors.MoECommError(unraised)
+
+    def _reports(self, plan, text: str) -> bool:
+        """Whether a failure of `plan` is raised: the weights exchange's routing errors are the forward's, which its
+        own round trip reports; its protocol failures (a peer late, phases out of order) are its own."""
+        exchange = self._phases is not None and self._phases.weights is not None and plan is self._phases.weights.plan
+        return not exchange or text.endswith(errors.FATAL_SUFFIX)
+
+    def _take_unraised(self) -> str | None:
+        """The first failure of this MoEComm's plans that no check has raised (waits for this device's queued work),
+        now counted as raised; None if there is none."""
+        found = None
+        for plan in self._plans():
+            text = nvshmem_backend.take_unraised(plan)
+            if found is None and text is not None and self._reports(plan, text):
+                found = text
+        return found
 
     def _plans(self) -> list:
         """The NVSHMEM plans with buffers and protocol state of their own: the round trips', then the backward's
@@ -353,10 +380,10 @@ class MoEComm:
                                                 shared_with=self._shared_with,
                                                 max_bytes=self.options.max_symmetric_bytes,
                                                 low_latency_max_tokens=self.options.low_latency_max_tokens)
-        if self._phases is not None and self._phases.weights is not None:
-            total += nvshmem_backend.symmetric_bytes(self._phases.weights.geo.cfg, self.world,
-                                                     staging=self.options.staged,
-                                                     low_latency_max_tokens=self.options.low_latency_max_tokens)
+        # With the weights exchange that an NVSHMEM MoEComm of these options would allocate (custom_vjp by default).
+        if self.world > 1 and (self._weights_geo is not None or self._custom_vjp_given is None):
+            total += memory.weights_exchange_bytes(self.cfg, self.world, self.options.staged,
+                                                   self.options.low_latency_max_tokens)
         return total
 
     @property

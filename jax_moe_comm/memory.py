@@ -31,12 +31,15 @@ def heap_bytes(cfg: MoECommConfig, world: int, grad_dtype: Any = None, staging: 
     return nvshmem_backend.symmetric_bytes(cfg, world, staging, shared, max_bytes, low_latency_max_tokens)
 
 
-def weights_exchange_bytes(cfg: MoECommConfig, world: int, staging: bool = False) -> int:
+def weights_exchange_bytes(cfg: MoECommConfig, world: int, staging: bool = False,
+                           low_latency_max_tokens: int = Options.low_latency_max_tokens) -> int:
     """Symmetric heap per GPU of the backward's weights exchange, which a MoEComm differentiated with its custom VJP
-    allocates at world > 1 besides its buffer set (rows of K float32 weights; autodiff.py); 0 at world 1."""
+    allocates at world > 1 besides its buffer set (rows of K float32 weights; autodiff.py); 0 at world 1.
+    ``low_latency_max_tokens``: MoEComm's (the exchange takes the low-latency path where its rows allow)."""
     if world == 1:
         return 0
-    return nvshmem_backend.symmetric_bytes(cfg.weights_exchange_config(world), world, staging)
+    return nvshmem_backend.symmetric_bytes(cfg.weights_exchange_config(world), world, staging,
+                                           low_latency_max_tokens=low_latency_max_tokens)
 
 
 def expert_x_bytes(cfg: MoECommConfig, world: int) -> int:

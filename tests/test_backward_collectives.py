@@ -14,6 +14,7 @@ is the check that the count sees collectives where there are some.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -23,7 +24,7 @@ import pytest
 from conftest import ep_mesh, nvshmem_stand_in
 from jax.sharding import PartitionSpec as P
 
-from jax_moe_comm import MoEComm, MoECommConfig
+from jax_moe_comm import MoEComm, MoECommConfig, MoECommError, errors, memory
 
 E, K, H, T, LAYERS = 8, 2, 16, 8, 2
 COLLECTIVE = re.compile(r"stablehlo\.(all_gather|all_reduce|all_to_all|collective_permute|reduce_scatter|"
@@ -105,3 +106,83 @@ def test_the_weights_exchange_gives_the_all_gather_rules_gradients():
         results.append(jax.jit(step)(params, x))
     for got, want in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+class _HostWords:
+    """nvshmem_backend's host-side failure reports, as they behave, on plans named by strings: a routing error is
+    raised once, a protocol failure until reset; take_unraised gives one that no check raised."""
+
+    def __init__(self, failures: dict[str, str]) -> None:
+        self.failures = dict(failures)
+        self.raised: set[str] = set()
+
+    def raise_pending(self, plan) -> None:
+        text = self.failures.get(plan)
+        if text is not None:
+            self.raised.add(plan)
+            if not text.endswith(errors.FATAL_SUFFIX):
+                del self.failures[plan]
+            raise MoECommError(text)
+
+    def take_unraised(self, plan) -> str | None:
+        if plan in self.raised or plan not in self.failures:
+            return None
+        self.raised.add(plan)
+        return self.failures[plan]
+
+    def destroy_plan(self, plan) -> None:
+        pass
+
+
+BAD_ID = errors.describe([errors.BAD_EXPERT_ID, 0, 1, 3, 99, 1, 0, 0])
+TIMED_OUT = errors.describe([errors.TIMEOUT, 1, 0, 1, 0, 2, 0, 0])
+
+
+@pytest.mark.parametrize(("exchange_failure", "then"), [(BAD_ID, [None, None]), (TIMED_OUT, [TIMED_OUT] * 2)],
+                         ids=["routing error: raised once", "protocol failure: its own"])
+def test_the_weights_exchange_reports_only_its_own_failures(monkeypatch, exchange_failure, then):
+    """The exchange's dispatch checks the forward's routing again, so a bad id is recorded on both buffer sets: it is
+    raised once (by the round trips' set), while a protocol failure of the exchange is its own and is raised."""
+    from jax_moe_comm import comm as comm_module
+
+    comm = comm_for(2, "reference")
+    comm._phases = dataclasses.replace(comm._phases, plan="round trips",
+                                       weights=dataclasses.replace(comm._phases.weights, plan="exchange"))
+    comm.backend = "nvshmem"
+    monkeypatch.setattr(comm_module, "nvshmem_backend", _HostWords({"round trips": BAD_ID,
+                                                                    "exchange": exchange_failure}))
+    for want in [BAD_ID, *then]:
+        if want is None:
+            comm.check()  # raises nothing
+        else:
+            with pytest.raises(MoECommError) as info:
+                comm.check()
+            assert str(info.value) == want
+
+
+def test_an_unraised_routing_error_of_the_exchange_is_not_reported_at_close(monkeypatch):
+    """At close() (and exit) only failures no check raised are reported; the exchange's copy of a routing error is
+    the round trips' own, reported once."""
+    from jax_moe_comm import comm as comm_module
+
+    comm = comm_for(2, "reference")
+    comm._phases = dataclasses.replace(comm._phases, plan="round trips",
+                                       weights=dataclasses.replace(comm._phases.weights, plan="exchange"))
+    comm.backend = "nvshmem"
+    monkeypatch.setattr(comm_module, "nvshmem_backend", _HostWords({"round trips": BAD_ID, "exchange": BAD_ID}))
+    assert comm._take_unraised() == BAD_ID
+    assert comm._take_unraised() is None
+
+
+def test_symmetric_bytes_counts_the_exchange_as_an_nvshmem_job_allocates_it():
+    """comm.symmetric_bytes sizes NVSHMEM's heap: on the reference backend it is the figure of the NVSHMEM MoEComm
+    of the same options (custom_vjp by default there), the low-latency path's buffers included."""
+    cfg = MoECommConfig(E, 6, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    for world in (1, 2, 4):
+        base = memory.heap_bytes(cfg, world, low_latency_max_tokens=T)
+        exchange = memory.weights_exchange_bytes(cfg, world, low_latency_max_tokens=T)
+        assert (exchange > 0) == (world > 1)
+        assert exchange > memory.weights_exchange_bytes(cfg, world) or world == 1  # its low-latency buffers
+        for custom_vjp, total in ((None, base + exchange), (True, base + exchange), (False, base)):
+            comm = MoEComm(cfg, ep_mesh(world), backend="reference", custom_vjp=custom_vjp, low_latency_max_tokens=T)
+            assert comm.symmetric_bytes == total, (world, custom_vjp)

@@ -215,8 +215,9 @@ def test_the_backward_dispatch_is_checked_after_its_dy():
     dy = closed.jaxpr.invars[3]
     calls = _kernel_calls_reached(closed.jaxpr, {dy})
     checks = [hit for target, hit in calls if target == "jmc_check"]
-    assert len(checks) == 3, calls  # the forward dispatch, the backward dispatch of dy, the weights exchange's
-    assert checks == [False, True, True], calls
+    # The forward's dispatch and the backward's dispatch of dy (the weights exchange's failures are raised by
+    # check(), close() and at exit: its routing errors are the forward's).
+    assert checks == [False, True], calls
 
 
 @pytest.mark.parametrize("weights_to", ["combine", "dispatch"])
