@@ -194,20 +194,31 @@ def standalone_cpu_env() -> dict[str, str]:
     return env
 
 
+def kernel_eqns(jaxpr, tainted=()) -> list[tuple[object, bool]]:
+    """(equation, whether an operand depends on a `tainted` variable) of every kernel call in a jaxpr, in program
+    order, into nested jaxprs (jit, shard_map, custom rules), whose operands map one to one onto their inputs (an
+    equation with a tainted input taints all its outputs)."""
+    tainted = set(tainted)
+    found = []
+    for eqn in jaxpr.eqns:
+        hit = any(not isinstance(v, jax.extend.core.Literal) and v in tainted for v in eqn.invars)
+        if eqn.primitive.name == "jmc_kernel_call":
+            found.append((eqn, hit))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            inner = [w for v, w in zip(eqn.invars, sub.invars, strict=False)
+                     if not isinstance(v, jax.extend.core.Literal) and v in tainted]
+            found += kernel_eqns(sub, inner)
+            hit = hit or bool(inner)
+        if hit:
+            tainted.update(eqn.outvars)
+    return found
+
+
 def kernel_calls(fn, *args) -> list[tuple[str, int]]:
     """(custom-call target, context) of every kernel call in fn's program, in program order (traced only: nothing
     runs). The context names the buffer set (the plan) the call runs on."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "jmc_kernel_call":
-                found.append((eqn.params["target"], int(dict(eqn.params["attributes"]).get("context", -1))))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [(eqn.params["target"], int(dict(eqn.params["attributes"]).get("context", -1)))
+            for eqn, _ in kernel_eqns(jax.make_jaxpr(fn)(*args).jaxpr)]
 
 
 def kernel_targets(fn, *args) -> list[str]:

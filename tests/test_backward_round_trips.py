@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROUND_TRIPS_CONTEXT, WEIGHTS_EXCHANGE_CONTEXT, ep_mesh, kernel_calls, nvshmem_stand_in
+from conftest import ROUND_TRIPS_CONTEXT, WEIGHTS_EXCHANGE_CONTEXT, ep_mesh, kernel_calls, kernel_eqns, nvshmem_stand_in
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_comm import MoEComm, MoECommConfig
@@ -172,27 +172,6 @@ def test_an_eager_shard_map_differentiates_through_the_custom_vjp():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
-def _kernel_calls_reached(jaxpr, tainted: set) -> list[tuple[str, bool]]:
-    """(target, whether an operand depends on a `tainted` variable) of every kernel call in program order, following
-    data into and out of nested jaxprs (jit, shard_map, custom rules) whose operands map one to one onto their
-    inputs."""
-    found = []
-    for eqn in jaxpr.eqns:
-        hit = any(not isinstance(v, jax.extend.core.Literal) and v in tainted for v in eqn.invars)
-        if eqn.primitive.name == "jmc_kernel_call":
-            found.append((eqn.params["target"], hit))
-        subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-        for sub in subs:
-            inner = {w for v, w in zip(eqn.invars, sub.invars, strict=False)
-                     if not isinstance(v, jax.extend.core.Literal) and v in tainted}
-            found += _kernel_calls_reached(sub, inner)
-            hit = hit or any(v in inner for v in sub.outvars if not isinstance(v, jax.extend.core.Literal)) or bool(
-                inner)
-        if hit:
-            tainted.update(eqn.outvars)
-    return found
-
-
 def test_the_backward_dispatch_is_checked_after_its_dy():
     """With check_errors=True a host-side check runs in front of each dispatch and waits for the round trip two
     before it. The backward's dispatch of dy must be checked after dy exists, i.e. after the later layers' backward
@@ -213,7 +192,7 @@ def test_the_backward_dispatch_is_checked_after_its_dy():
                            out_specs=P("ep"))
     closed = jax.make_jaxpr(mapped)(x, ids[0], params["experts"][0], x)
     dy = closed.jaxpr.invars[3]
-    calls = _kernel_calls_reached(closed.jaxpr, {dy})
+    calls = [(eqn.params["target"], hit) for eqn, hit in kernel_eqns(closed.jaxpr, [dy])]
     checks = [hit for target, hit in calls if target == "jmc_check"]
     # The forward's dispatch and the backward's dispatch of dy (the weights exchange's failures are raised by
     # check(), close() and at exit: its routing errors are the forward's).

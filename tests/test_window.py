@@ -8,7 +8,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import pytest
-from conftest import ep_mesh, kernel_targets
+from conftest import ep_mesh, kernel_eqns, kernel_targets
 
 from jax_moe_comm import MoEComm, MoECommConfig, memory
 from jax_moe_comm import nvshmem_backend as nb
@@ -139,17 +139,8 @@ def test_the_split_halves_of_a_windowed_plan_run_the_fused_calls(window_slots, w
 
 def kernel_calls(fn, *args) -> list:
     """The kernel calls of fn's program (target, operand shapes, attributes), in program order (traced only)."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "jmc_kernel_call":
-                found.append((eqn.params["target"], [v.aval.shape for v in eqn.invars], dict(eqn.params["attributes"])))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [(eqn.params["target"], [v.aval.shape for v in eqn.invars], dict(eqn.params["attributes"]))
+            for eqn, _ in kernel_eqns(jax.make_jaxpr(fn)(*args).jaxpr)]
 
 
 @pytest.mark.parametrize("flagged", [False, True])
