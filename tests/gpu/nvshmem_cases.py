@@ -678,6 +678,11 @@ def case_probe(mesh, seed, flagged=False):
         comm.close()
 
 
+def raised_text(exc: BaseException) -> str:
+    """The library's message in a raised error (the words after "jax_moe_comm:"), one line."""
+    return str(exc).split("jax_moe_comm:")[-1].split("\n")[0].strip()
+
+
 def deferred_raise(call, text: str, limit_s: float = 5.0) -> str:
     """The default error check: call() once gives NaN, its failure is raised by the next call (at its first round
     trip: the previous execution's failure is settled there), quickly. Returns what was raised."""
@@ -690,7 +695,7 @@ def deferred_raise(call, text: str, limit_s: float = 5.0) -> str:
         assert text in str(exc), str(exc)[:500]
         took = time.time() - start
         assert took < limit_s, f"the error took {took:.1f}s: a rank waited for a timeout"
-        return f"raised by the next call, {took:.1f}s: " + str(exc).split("jax_moe_comm:")[-1].split("\n")[0][:100]
+        return f"raised by the next call, {took:.1f}s: " + raised_text(exc)[:100]
     raise AssertionError("the next call raised nothing")
 
 
@@ -830,11 +835,6 @@ def every_process(key: str, text: str) -> list[str]:
             for p in range(jax.process_count())]
 
 
-def raised_text(exc: BaseException) -> str:
-    """The library's message in a raised error (the words after "jax_moe_comm:"), one line."""
-    return str(exc).split("jax_moe_comm:")[-1].split("\n")[0].strip()
-
-
 def case_one_rank_faults(mesh, seed, fault):
     """A fault on one process, every process raising the same error once: "bad id" (the last rank's token 3 names
     expert 99) or "late" (the last process calls 2.5 timeouts after the others). The failed call gives NaN on every
@@ -918,7 +918,7 @@ def _timeout_on_rank0(comm) -> str:
     except Exception as exc:
         text = str(exc)
         assert "dispatch_recv failed on rank 0: timed out waiting for rank " in text, text[:500]
-        return f"failed after {took:.1f}s, raised by the next call: " + text.split("jax_moe_comm:")[-1][:100]
+        return f"failed after {took:.1f}s, raised by the next call: " + raised_text(exc)[:100]
     raise AssertionError("no timeout raised")
 
 
