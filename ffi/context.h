@@ -161,6 +161,8 @@ struct Context {
   // Local only (never addressed by peers).
   int32_t* row_of;            // [num_dp][max_tokens][K] packed row of (group, token, slot): row_origin inverted by
                               // the pre-reduced combine_send (entries are checked against row_origin before use)
+  int32_t* expert_tally;      // [E] the blocks' sums of other ranks' experts' slots of the running dispatch_recv
+                              // (local: its last block copies them out and zeroes them; expert_counts)
   LocalWords* local;
   HostWords* host_words;      // device address of the mapped pinned host words
   HostWords* host_view;       // the same words, host address (the check handler reads them)

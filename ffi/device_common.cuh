@@ -619,6 +619,7 @@ struct DispatchSendArgs {
 };
 struct DispatchRecvArgs {
   void* expert_x; float* expert_scales; int32_t* group_sizes; int32_t* row_origin; int32_t* status;
+  int32_t* expert_counts;  // [E] live slots routed to each expert of the layer over the EP group
 };
 struct CombineSendArgs {
   const void* expert_y; int elem_bytes; const int32_t* row_origin; int32_t* status;

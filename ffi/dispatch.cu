@@ -56,6 +56,7 @@ __global__ void dispatch_flagged_kernel(Context ctx, DispatchSendArgs send, Disp
   mark(ctx, kDispatchRecv, kWaited);  // counts and ids landed
   const Share sh = share_of(r.first[0], ctx.s.num_dp, 0, gridDim.x);
   histogram_all(ctx, r, sh);
+  tally_remote_experts(ctx, r, &sh, 1);
   mark(ctx, kDispatchRecv, kStep1);  // histogram done
   derive_layout(ctx, recv, r);
   mark(ctx, kDispatchRecv, kStep2);  // layout derived
@@ -99,6 +100,7 @@ __global__ void dispatch_ids_first_kernel(Context ctx, DispatchSendArgs send, Di
   const Share shares[2] = {share_of(r.first[0], s.num_dp, senders, gridDim.x - senders),
                            share_of(r.first[1], s.num_dp, 0, gridDim.x)};
   histogram_split(ctx, r, shares, 2);
+  tally_remote_experts(ctx, r, shares, 2);
   mark(ctx, kDispatchRecv, kStep1);  // histogram done
   derive_layout(ctx, recv, r);
   mark(ctx, kDispatchRecv, kStep2);  // layout derived
@@ -154,6 +156,7 @@ __global__ void dispatch_windowed_kernel(Context ctx, DispatchSendArgs send, Dis
   mark(ctx, kDispatchRecv, kWaited);
   const Share every = share_of(r.first[0], G, 0, gridDim.x);
   histogram_split(ctx, r, &every, 1);
+  tally_remote_experts(ctx, r, &every, 1);
   derive_layout(ctx, recv, r);
   mark(ctx, kDispatchRecv, kStep2);  // layout derived
 

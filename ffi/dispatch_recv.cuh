@@ -77,12 +77,17 @@ struct Receive {
   int* expert_start;  // [L + 1] packed start of each expert
   int* group_base;    // [L * G] packed start of (local expert, group)
   unsigned* hits;     // [L][kBitWords] the batch's tokens per expert
+  int* remote;        // [E] slots of this block's shares routed to each expert of another rank (world > 1; else
+                      // no space)
   bool timed_out;     // a source's ready word never came (this block's wait)
 };
 
+// Experts of other ranks: every rank but a lone one has some, and counts their slots for expert_counts.
+__host__ __device__ inline bool has_remote_experts(const Sizes& s) { return s.local_experts < s.num_experts; }
+
 inline size_t dispatch_recv_shared_bytes(const Sizes& s) {
   const int L = s.local_experts, G = s.num_dp;
-  return sizeof(int) * (3 * G + 2 + 3 * L * G + 2 * L + 1 + L * kBitWords);
+  return sizeof(int) * (3 * G + 2 + 3 * L * G + 2 * L + 1 + L * kBitWords + (has_remote_experts(s) ? s.num_experts : 0));
 }
 
 __device__ inline Receive carve_receive(const Sizes& s, int* smem) {
@@ -97,6 +102,7 @@ __device__ inline Receive carve_receive(const Sizes& s, int* smem) {
   r.expert_start = r.expert_rows + L;
   r.group_base = r.expert_start + L + 1;
   r.hits = reinterpret_cast<unsigned*>(r.group_base + L * G);
+  r.remote = reinterpret_cast<int*>(r.hits + L * kBitWords);
   r.timed_out = false;
   return r;
 }
@@ -239,6 +245,51 @@ __device__ inline void histogram_split(const Context& ctx, Receive& r, const Sha
   __syncthreads();
 }
 
+// 2b. The load of every expert of the layer (expert_counts): the histogram counts the local experts' slots (block 0
+//     writes them in derive_layout); each block counts the other ranks' experts' slots in its own shares of the
+//     arrivals here, adds them into ctx.expert_tally, and the last block copies the sums out (publish_expert_counts).
+//     Every source's ids rows are on every rank already: nothing more travels, and every rank gets the same counts.
+__device__ inline void tally_remote_experts(const Context& ctx, Receive& r, const Share* shares, int passes) {
+  const Sizes& s = ctx.s;
+  if (!has_remote_experts(s)) return;
+  const int K = s.experts_per_token, E = s.num_experts, first_local = s.rank * s.local_experts;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) r.remote[e] = 0;
+  __syncthreads();
+  for (int p = 0; p < passes; ++p) {
+    const Share& sh = shares[p];
+    for (int i = sh.begin + threadIdx.x; i < sh.end; i += blockDim.x) {
+      const int g = group_of(sh.first, i);
+      const int32_t* ids = ids_of(ctx, arrival_of(s, g, sh.token_base + i - sh.first[g]));
+      const auto tally = [&](int e) {
+        if (e < first_local || e >= first_local + s.local_experts) atomicAdd(&r.remote[e], 1);
+      };
+      if (K <= kUnrolledSlots) {  // the row in registers (as histogram)
+        const IdsRow row = load_ids_row(ids, K);
+        const unsigned live = live_mask(row, E);
+#pragma unroll
+        for (int k = 0; k < kUnrolledSlots; ++k)
+          if (live >> k & 1u) tally(row.id[k]);
+      } else {
+        for (int k = 0; k < K; ++k)
+          if (slot_is_live(ids, k, E)) tally(ids[k]);
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (r.remote[e] != 0) atomicAdd(ctx.expert_tally + e, r.remote[e]);
+}
+
+// The last block of the receive: the other ranks' experts' sums into expert_counts, the tally zeroed for the next
+// round trip (the local experts' counts are block 0's, from the layout).
+__device__ inline void publish_expert_counts(const Context& ctx, const DispatchRecvArgs& a) {
+  const Sizes& s = ctx.s;
+  if (!has_remote_experts(s)) return;
+  const int first_local = s.rank * s.local_experts;
+  for (int e = threadIdx.x; e < s.num_experts; e += blockDim.x)
+    if (e < first_local || e >= first_local + s.local_experts) a.expert_counts[e] = atomicExch(ctx.expert_tally + e, 0);
+}
+
 // 3. The layout from the counts: experts' padded starts (a block scan), each (expert, group)'s base; block 0 writes
 //    group_sizes and reports an overflow (unless the MoEComm drops overflow: then the rows are dropped silently).
 __device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs& a, Receive& r) {
@@ -263,7 +314,10 @@ __device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs&
   }
   __syncthreads();
   if (blockIdx.x == 0) {
-    for (int l = threadIdx.x; l < L; l += blockDim.x) a.group_sizes[l] = r.expert_start[l + 1] - r.expert_start[l];
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      a.group_sizes[l] = r.expert_start[l + 1] - r.expert_start[l];
+      a.expert_counts[s.rank * L + l] = r.expert_rows[l];
+    }
     if (threadIdx.x == 0 && r.expert_start[L] > s.capacity && !s.drop_overflow)
       report(ctx, kDispatchRecv, kCapacityOverflow, r.expert_start[L], s.capacity);
   }
@@ -429,8 +483,12 @@ __device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs
   }
   mark(ctx, kDispatchRecv, kClosed);
   if (send_status == nullptr) {
-    if (finish_phase(ctx, kDispatchRecv, a.status)) mark(ctx, kDispatchRecv, kEnd, true);
+    if (finish_phase(ctx, kDispatchRecv, a.status)) {
+      publish_expert_counts(ctx, a);
+      mark(ctx, kDispatchRecv, kEnd, true);
+    }
   } else if (last_block_done(ctx.local->blocks_done + kDispatchRecv)) {
+    publish_expert_counts(ctx, a);
     close_phase(ctx, kDispatchSend, send_status, false, nullptr);
     mark(ctx, kDispatchSend, kEnd, true);
     close_phase(ctx, kDispatchRecv, a.status, true, nullptr);
@@ -449,6 +507,7 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
   mark(ctx, kDispatchRecv, kWaited);
   const Share sh = share_of(r.first[0], ctx.s.num_dp, 0, gridDim.x);
   histogram_all(ctx, r, sh);
+  tally_remote_experts(ctx, r, &sh, 1);
   mark(ctx, kDispatchRecv, kStep1);  // histogram done
   derive_layout(ctx, a, r);
   mark(ctx, kDispatchRecv, kStep2);  // layout derived (scans done)
@@ -458,13 +517,15 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
 }
 
 // A refused receive (out of protocol order) still leaves a valid, empty layout: no row holds a token (row_origin
-// -1) and no expert has rows. A combine given this handle then sends nothing, rather than reading row_origin's
-// uninitialized memory as row addresses.
+// -1) and no expert has rows (nor counts). A combine given this handle then sends nothing, rather than reading
+// row_origin's uninitialized memory as row addresses.
 __device__ inline void receive_nothing(const Context& ctx, const DispatchRecvArgs& a) {
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < ctx.s.capacity; p += gridDim.x * blockDim.x)
     a.row_origin[p] = -1;
-  if (blockIdx.x == 0)
+  if (blockIdx.x == 0) {
     for (int l = threadIdx.x; l < ctx.s.local_experts; l += blockDim.x) a.group_sizes[l] = 0;
+    for (int e = threadIdx.x; e < ctx.s.num_experts; e += blockDim.x) a.expert_counts[e] = 0;
+  }
 }
 
 

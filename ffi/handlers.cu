@@ -1,6 +1,7 @@
 // XLA FFI handlers: unpack buffers, find the Context by its id (the `context` attribute), launch the phase's kernel on
 // XLA's stream. No host synchronisation and no collective host work happens here. Shapes: T = max_tokens, H = hidden,
-// K = experts per token, B = the fp8 scale block, C = capacity, L = local experts; "status" is int32[kStatusWords].
+// K = experts per token, B = the fp8 scale block, C = capacity, L = local experts, E = experts of the layer;
+// "status" is int32[kStatusWords].
 #include <chrono>
 #include <string>
 #include <thread>
@@ -71,10 +72,11 @@ ffi::Error DispatchRecv(cudaStream_t stream,
                         ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,  // [C, H / B], or [C, 0]
                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,    // [L]
                         ffi::Result<ffi::Buffer<ffi::S32>> row_origin,     // [C] (group * T + token) * K + slot
+                        ffi::Result<ffi::Buffer<ffi::S32>> expert_counts,  // [E] every expert's live slots
                         ffi::Result<ffi::Buffer<ffi::S32>> status,         // this phase's status
                         int64_t context) {
   DispatchRecvArgs a{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
-                     row_origin->typed_data(), status->typed_data()};
+                     row_origin->typed_data(), status->typed_data(), expert_counts->typed_data()};
   return with_context(context, "dispatch_recv", [&](const Context& c) { return launch_dispatch_recv(c, a, stream); });
 }
 
@@ -120,6 +122,7 @@ ffi::Error Dispatch(cudaStream_t stream,
                     ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,  // [C, H / B], or [C, 0]
                     ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,    // [L]
                     ffi::Result<ffi::Buffer<ffi::S32>> row_origin,     // [C]
+                    ffi::Result<ffi::Buffer<ffi::S32>> expert_counts,  // [E]
                     ffi::Result<ffi::Buffer<ffi::S32>> send_status,    // the send's status
                     ffi::Result<ffi::Buffer<ffi::S32>> recv_status,    // the receive's status
                     int64_t context) {
@@ -127,7 +130,7 @@ ffi::Error Dispatch(cudaStream_t stream,
                         send_status->typed_data(),
                         topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
   DispatchRecvArgs recv{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
-                        row_origin->typed_data(), recv_status->typed_data()};
+                        row_origin->typed_data(), recv_status->typed_data(), expert_counts->typed_data()};
   return with_context(context, "dispatch", [&](const Context& c) {
     send.quantize = quantizes(x, c);
     return launch_dispatch(c, send, recv, stream);
@@ -242,6 +245,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_recv, jmc::DispatchRecv,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // expert_scales
                                   .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes
                                   .Ret<ffi::Buffer<ffi::S32>>()   // row_origin
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // expert_counts
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
                                   .Attr<int64_t>("context"));
 
@@ -282,6 +286,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch, jmc::Dispatch,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // expert_scales
                                   .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes
                                   .Ret<ffi::Buffer<ffi::S32>>()   // row_origin
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // expert_counts
                                   .Ret<ffi::Buffer<ffi::S32>>()   // send_status
                                   .Ret<ffi::Buffer<ffi::S32>>()   // recv_status
                                   .Attr<int64_t>("context"));

@@ -40,7 +40,7 @@ DispatchSendArgs dispatch_send_args(const Args& a, const char* status) {  // top
 
 DispatchRecvArgs dispatch_recv_args(const Args& a, const char* status) {
   return {ptr<void>(a, "expert_x"), ptr<float>(a, "expert_scales"), ptr<int32_t>(a, "group_sizes"),
-          ptr<int32_t>(a, "row_origin"), ptr<int32_t>(a, status)};
+          ptr<int32_t>(a, "row_origin"), ptr<int32_t>(a, status), ptr<int32_t>(a, "expert_counts")};
 }
 
 // prereduce_weights 0: rows per slot; weights_sent: the dispatch stored them on every rank already.

@@ -224,6 +224,7 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
   ctx->fatal_failures = region<int32_t>(base, layout, "fatal_failures", &missing);
   ctx->abort_word = region<uint64_t>(base, layout, "abort_word", &missing);
   ctx->row_of = region<int32_t>(base, layout, "row_of", &missing);
+  ctx->expert_tally = region<int32_t>(base, layout, "expert_tally", &missing);
   ctx->flagged_rows = optional_region<uint64_t>(base, layout, "flagged_rows");
   ctx->flagged_ids = optional_region<uint64_t>(base, layout, "flagged_ids");
   ctx->flagged_combine = optional_region<uint64_t>(base, layout, "flagged_combine");

@@ -1,7 +1,9 @@
 """Expert load: how many rows each expert gets, and what a capacity drops, from the routing alone.
 
-Computed the same way on both backends, after their dispatch: the counts are the routing's (every live slot of
-every rank's tokens, each DP group's tokens once), so they do not depend on how the rows travelled.
+The counts are the routing's (every live slot of every rank's tokens, each DP group's tokens once), so they do not
+depend on how the rows travelled. The NVSHMEM dispatch counts them in its kernels, from the ids rows every rank
+receives; the reference backend sums each rank's own (a psum of E integers, which XLA removes when nothing reads
+it). What a capacity drops follows from them on each rank.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ def kept_group_sizes(geo: Geometry, group_sizes: Array) -> Array:
 
 
 def with_load(geo: Geometry, d: Dispatched) -> Dispatched:
-    """d with its expert counts and dropped rows (and, when the MoEComm drops overflow, the kept group sizes)."""
-    counts = expert_counts(geo, d.handle.topk_ids, d.handle.num_tokens)
+    """d with its expert counts (the backend's, when its dispatch counted them) and dropped rows (and, when the
+    MoEComm drops overflow, the kept group sizes)."""
+    counts = d.expert_counts
+    if counts is None:
+        counts = expert_counts(geo, d.handle.topk_ids, d.handle.num_tokens)
     group_sizes = kept_group_sizes(geo, d.group_sizes) if geo.cfg.overflow == "drop" else d.group_sizes
     return Dispatched(d.expert_x, d.expert_scales, group_sizes, d.handle, counts, dropped_rows(geo, counts))

@@ -121,6 +121,7 @@ def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bo
         ("fatal_failures", world * status),
         ("abort_word", 8),
         ("row_of", s["num_dp"] * T * K * 4),  # local: the pre-reduced combine_send's inverse of row_origin
+        ("expert_tally", cfg.num_experts * 4),  # local: dispatch_recv's sums of other ranks' experts' slots
         # The low-latency path: rows, ids and combine rows in 8-byte words of 4 data bytes and the epoch.
         *([("flagged_rows", slots * 2 * (s["payload_bytes"] + 4 * s["scale_cols"])),
            ("flagged_ids", slots * K * 8),
@@ -428,20 +429,22 @@ def _scales_arg(plan: Plan, scales: Array | None) -> Array:
 
 
 def _received(plan: Plan) -> tuple:
-    """dispatch_recv's results: expert_x, expert_scales, group_sizes, row_origin."""
+    """dispatch_recv's results: expert_x, expert_scales, group_sizes, row_origin, expert_counts (every expert's live
+    slots over the EP group, counted from the ids rows every rank receives: no collective)."""
     geo, cfg = plan.geo, plan.geo.cfg
     return (jax.ShapeDtypeStruct((geo.capacity, cfg.hidden), cfg.dtype),
             jax.ShapeDtypeStruct((geo.capacity, cfg.scale_cols), jnp.float32),
             jax.ShapeDtypeStruct((geo.L,), jnp.int32),
-            jax.ShapeDtypeStruct((geo.capacity,), jnp.int32))
+            jax.ShapeDtypeStruct((geo.capacity,), jnp.int32),
+            jax.ShapeDtypeStruct((cfg.num_experts,), jnp.int32))
 
 
 def _dispatched(plan: Plan, received, topk_ids: Array, num_tokens: Array, topk_weights: Array | None,
                 *statuses: Array) -> Dispatched:
-    expert_x, expert_scales, group_sizes, row_origin = received
+    expert_x, expert_scales, group_sizes, row_origin, expert_counts = received
     handle = CombineHandle(row_origin=row_origin, topk_ids=topk_ids, num_tokens=num_tokens,
                            status=errors.first_failure(*statuses), topk_weights=topk_weights)
-    return Dispatched(expert_x, expert_scales if plan.geo.cfg.is_fp8 else None, group_sizes, handle)
+    return Dispatched(expert_x, expert_scales if plan.geo.cfg.is_fp8 else None, group_sizes, handle, expert_counts)
 
 
 def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:

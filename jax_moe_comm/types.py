@@ -66,8 +66,8 @@ class Dispatched:
     handle:        CombineHandle for ``combine``.
     expert_counts: int32 [E], the load of every expert of the layer: live (token, slot) pairs routed to it over
                    the whole EP group, each DP group's tokens once, before any drop; the same on every rank. For
-                   load-balancing losses and monitoring; computed on the device (a psum of E integers, which XLA
-                   removes when nothing reads it).
+                   load-balancing losses and monitoring; computed on the device: by the NVSHMEM dispatch's kernels
+                   (no collective), or on the reference backend a psum of E integers (removed when nothing reads it).
     dropped_rows:  int32 [], rows for this rank's experts that did not fit in capacity (0 unless it overflowed).
     """
 

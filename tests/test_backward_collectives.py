@@ -36,16 +36,20 @@ def collectives(fn, *args) -> list[str]:
     return COLLECTIVE.findall(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
 
 
-def train_step(comm: MoEComm, weights_to: str, scan: bool, trains_x: bool):
+def train_step(comm: MoEComm, weights_to: str, scan: bool, trains_x: bool, reads_load: bool = False):
     """One SGD step of a stack of MoE layers (router top-K, dispatch, tanh experts by ragged_dot, combine), every
-    rank with its own copy of the router and its own loss: user code without a collective."""
+    rank with its own copy of the router and its own loss: user code without a collective. reads_load: each layer's
+    output also depends on its dispatch's expert_counts and dropped_rows (as a balancing loss or a monitor would)."""
     world = comm.world
 
     def layer(x, router, experts):
         topk_weights, topk_ids = jax.lax.top_k(jax.nn.softmax(x @ router, axis=-1), K)
         d = comm.dispatch(x, topk_ids, topk_weights=topk_weights if weights_to == "dispatch" else None)
         expert_y = jnp.tanh(jax.lax.ragged_dot(d.expert_x, experts, d.group_sizes))
-        return x + comm.combine(expert_y, d.handle, topk_weights if weights_to == "combine" else None)
+        y = x + comm.combine(expert_y, d.handle, topk_weights if weights_to == "combine" else None)
+        if reads_load:
+            y = y + 1e-3 * (jnp.max(d.expert_counts) + d.dropped_rows).astype(y.dtype)
+        return y
 
     def loss(params, x):  # per shard: router [1, LAYERS, H, E] (this rank's copy), experts [LAYERS, L, H, H]
         router = params["router"][0]
@@ -88,11 +92,20 @@ def test_a_training_step_issues_no_xla_collective(world, weights_to, scan, train
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan of checkpointed layers"])
+def test_reading_the_expert_load_issues_no_xla_collective(world, scan):
+    """expert_counts and dropped_rows come out of the NVSHMEM dispatch's kernels: a balancing loss that reads them
+    adds no psum."""
+    step, params, x = train_step(comm_for(world, "nvshmem"), "combine", scan, True, reads_load=True)
+    assert collectives(step, params, x) == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_the_count_sees_the_reference_backends_collectives(world):
     """The same step through the reference backend's collectives: the count is not blind."""
-    step, params, x = train_step(comm_for(world, "reference"), "combine", False, True)
+    step, params, x = train_step(comm_for(world, "reference"), "combine", False, True, reads_load=True)
     found = collectives(step, params, x)
-    assert "all_to_all" in found, found
+    assert "all_to_all" in found and "all_reduce" in found, found
 
 
 def test_the_weights_exchange_gives_the_all_gather_rules_gradients():

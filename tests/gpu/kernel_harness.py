@@ -218,13 +218,15 @@ def _reference_round_trip(cfg, world, quantize):
     def round_trip(x, ids, scales, n, w):
         d = jmc.dispatch(comm, x, ids, scales, n, quantize=cfg.dtype if quantize else None)
         y = (d.expert_x.astype(jnp.float32) * 1.5).astype(cfg.out_dtype)  # the stand-in expert of the GPU cases
-        return d.expert_x, d.expert_scales, d.group_sizes, d.handle.row_origin, jmc.combine(comm, y, d.handle, w)
+        y = jmc.combine(comm, y, d.handle, w)
+        return d.expert_x, d.expert_scales, d.group_sizes, d.handle.row_origin, y, d.expert_counts
 
     return mesh, round_trip
 
 
 def reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize=False):
-    """The reference backend over `world` local CPU devices: (expert_x, scales, group_sizes, row_origin, y), global.
+    """The reference backend over `world` local CPU devices: (expert_x, scales, group_sizes, row_origin, y,
+    expert_counts [world * E]: each rank's the same), global.
     `quantize`: x is bf16 and the fp8 dispatch quantizes it (scales None)."""
     mesh, round_trip = _reference_round_trip(cfg, world, quantize)
 
@@ -253,6 +255,7 @@ def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, q
     out = dict(expert_x=mem.alloc(cap * H * np.dtype(cfg.dtype).itemsize, "expert_x"),
                expert_scales=mem.alloc(cap * cfg.scale_cols * 4, "expert_scales"),
                group_sizes=mem.alloc(L * 4, "group_sizes"), row_origin=mem.alloc(cap * 4, "row_origin"),
+               expert_counts=mem.alloc(cfg.num_experts * 4, "expert_counts"),
                expert_y=mem.alloc(cap * H * np.dtype(cfg.out_dtype).itemsize, "expert_y"),
                out=mem.alloc(T * H * np.dtype(cfg.out_dtype).itemsize, "out"))
     code = row_type(cfg.out_dtype)
@@ -261,7 +264,7 @@ def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, q
         dict(x=x_d, scales=scales_d, topk_ids=ids_d, num_tokens=n_d, status=status[0], topk_weights=w_d if sent else 0,
              quantize=int(quantize)),
         dict(expert_x=out["expert_x"], expert_scales=out["expert_scales"], group_sizes=out["group_sizes"],
-             row_origin=out["row_origin"], status=status[1]),
+             row_origin=out["row_origin"], expert_counts=out["expert_counts"], status=status[1]),
         dict(expert_y=out["expert_y"], elem_bytes=np.dtype(cfg.out_dtype).itemsize, row_origin=out["row_origin"],
              status=status[2], prereduce_weights=w_d if reduced else 0, in_dtype=code, partial_dtype=code,
              weights_sent=int(sent)),
@@ -294,8 +297,9 @@ def round_trip_launches(args, fused):
 
 
 def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, fused=False, quantize=False):
-    """This rank's round trip through the four kernels, or the two fused ones (legacy default stream): the same
-    outputs, this rank's part. The stand-in expert runs on the host between dispatch and combine."""
+    """This rank's round trip through the four kernels, or the two fused ones (legacy default stream): the
+    reference's outputs, this rank's part (expert_x, expert_scales, group_sizes, row_origin, y), then the four
+    statuses and expert_counts [E]. The stand-in expert runs on the host between dispatch and combine."""
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
     mem = DeviceArrays()
@@ -317,7 +321,8 @@ def kernel_round_trip(ctx, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, fu
                 DeviceArrays.get(out["group_sizes"], (L,), np.int32),
                 DeviceArrays.get(out["row_origin"], (cap,), np.int32),
                 DeviceArrays.get(out["out"], (T, H), cfg.out_dtype),
-                [DeviceArrays.get(s, (errors.STATUS_WORDS,), np.int32) for s in out["status"]])
+                [DeviceArrays.get(s, (errors.STATUS_WORDS,), np.int32) for s in out["status"]],
+                DeviceArrays.get(out["expert_counts"], (cfg.num_experts,), np.int32))
     finally:
         mem.free()
 
@@ -525,7 +530,7 @@ def check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at):
     """One round trip's outputs against the reference's: the layout bit for bit, y within the dtype's tolerance.
     Returns (rows used, y's relative error)."""
     rows = slice(rank * T, (rank + 1) * T)
-    expert_x, expert_scales, group_sizes, row_origin, y, status = got
+    expert_x, expert_scales, group_sizes, row_origin, y, status, expert_counts = got
     assert all(not s.any() for s in status), f"status words {status}"
     ref_sizes = ref[2][rank * L:(rank + 1) * L]
     if cfg.overflow == "drop":  # the kernels give the layout's sizes; MoEComm cuts them at capacity (load.py)
@@ -533,6 +538,7 @@ def check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at):
         group_sizes = np.clip(end, 0, cap) - np.clip(end - group_sizes, 0, cap)
     assert np.array_equal(group_sizes, ref_sizes), "group_sizes differ"
     assert np.array_equal(row_origin, ref[3][rank * cap:(rank + 1) * cap]), "row_origin differs"
+    assert np.array_equal(expert_counts, ref[5][:cfg.num_experts]), "expert_counts differ"
     used = int(ref_sizes.sum())
     ref_x = ref[0][rank * cap:rank * cap + used]
     assert np.array_equal(_nan_bits(expert_x[:used]), _nan_bits(ref_x)), "expert_x differs"
