@@ -7,7 +7,8 @@
 #   TRAIN="args"                the training example on both backends through the launcher, losses compared
 #   DECODE="args"               the decode example through the launcher (RANKS processes), checked against its dense
 #                               model
-#   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU)
+#   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU); BENCH_JSON=name:
+#                               its record written to $OUT/name (tests/gpu/try_patches.sh: a record per run)
 #   MEASURE=1|0                 build the measurement instruments (kernel marks, floor probes) or not; by default
 #                               when MARKS is set or BENCH/BENCH_SINGLE/TRACE/CASES names a floor probe
 #   BOOTSTRAP=auto|nvshmem4py|extension  jax_moe_comm.initialize's bootstrap in the cases
@@ -171,7 +172,7 @@ fi
 if [ -n "${BENCH:-}" ]; then
   step "bench"
   timeout 500 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- -m jax_moe_comm.bench $BENCH \
-    > "$LOGS/bench.log" 2>&1
+    ${BENCH_JSON:+--json "$OUT/$BENCH_JSON"} > "$LOGS/bench.log" 2>&1
   tail -40 "$LOGS/bench.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${BENCH_SINGLE:-}" ]; then  # one process driving both GPUs (the ragged baseline needs it)

@@ -7,6 +7,7 @@
 #     bash tests/gpu/try_patches.sh                        # there
 # RUN_ENV: run.sh's variables for every run (quoted values allowed); BASE_ENV: more of them for the base run alone
 # (e.g. TESTS=cases: the cases once); RUN_TIMEOUT: seconds per run (default 300); BASE=0 leaves the base run out.
+# "base" in PATCHES runs the tree as it is again (base_2, ...): A, B, A measures the noise of an A/B in the same call.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 root=${OUT:-/tmp/jmc_gpu_out}
@@ -17,6 +18,7 @@ runs+=(${PATCHES:-})
 names=()
 for p in "${runs[@]}"; do
   name=$(basename "$p" .patch)
+  [ -d "$root/$name" ] && name=${name}_$(($(ls -d "$root/$name"* | wc -l) + 1))  # a run repeated
   if [ "$p" != base ] && ! patch -s -p1 --dry-run < "$p" > /dev/null 2>&1; then
     echo "##### $name: the patch does not apply to this tree" | tee -a "$root/try_patches.txt"
     continue
@@ -24,7 +26,7 @@ for p in "${runs[@]}"; do
   [ "$p" != base ] && patch -s -p1 < "$p"
   mkdir -p "$root/$name"
   vars=${RUN_ENV:-}
-  [ "$p" = base ] && vars="$vars ${BASE_ENV:-}"
+  [ "$name" = base ] && vars="$vars ${BASE_ENV:-}"  # the first base run alone
   eval "OUT=$root/$name LOGS=/tmp/jmc_logs_$name JMC_COMMIT=${JMC_COMMIT:-unknown}+$name $(printf '%s' "$vars")" \
     timeout "${RUN_TIMEOUT:-300}" bash tests/gpu/run.sh > /dev/null 2>&1
   [ "$p" != base ] && patch -s -R -p1 < "$p"
@@ -32,6 +34,6 @@ for p in "${runs[@]}"; do
 done
 for name in "${names[@]}"; do
   echo "##### $name"
-  grep -E "passed|failed|FAIL|build FAILED|round trip|^\[rank 0\] (dispatch|combine)_|^r1 |^v2lite " \
+  grep -E "passed|failed|FAIL|build FAILED|round trip|^\[rank 0\] (dispatch|combine)_|^(\[rank 0\] )?(r1|v2lite) " \
     "$root/$name/summary.txt" | grep -v "^\[rank 0\] PASS"
 done | tee -a "$root/try_patches.txt"
