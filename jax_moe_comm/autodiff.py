@@ -47,7 +47,9 @@ from .types import CombineHandle, Dispatched
 def with_grad_link(d: Dispatched) -> Dispatched:
     """d with its handle's grad_link (see _combine_fwd): every dispatch's handle has one, whatever made it, so handles
     have one structure whether or not the custom VJPs are used."""
-    return dataclasses.replace(d, handle=dataclasses.replace(d.handle, grad_link=jnp.zeros((0,), jnp.float32)))
+    # One element, not zero: a zero-sized array passed between the global view's two shard_maps made XLA:GPU's
+    # Shardy partitioner crash (SIGSEGV) when several processes share one GPU.
+    return dataclasses.replace(d, handle=dataclasses.replace(d.handle, grad_link=jnp.zeros((1,), jnp.float32)))
 
 
 @dataclasses.dataclass(frozen=True)

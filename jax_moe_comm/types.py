@@ -40,9 +40,9 @@ class CombineHandle:
     topk_weights: float32 [max_tokens, K], the weights given to dispatch, or None. With them combine takes no
         weights of its own; on the NVSHMEM backend's NVLink path they travelled with the tokens' ids, so the
         pre-reduced combine_send does not exchange them.
-    grad_link:  float32 [0], no data. In a differentiated step, whether it carries a gradient tells combine's
-        gradient rule whether dispatch's follows it (they share one backward round trip; autodiff.py). None in a
-        handle made by hand: combine's rule then finishes the backward round trip itself.
+    grad_link:  float32 [1], zero (its value is never read). In a differentiated step, whether it carries a
+        gradient tells combine's gradient rule whether dispatch's follows it (they share one backward round trip;
+        autodiff.py). None in a handle made by hand: combine's rule then finishes the backward round trip itself.
     """
 
     row_origin: Array

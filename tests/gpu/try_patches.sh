@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compares prepared changes in one call on the GPU machine: tests/gpu/run.sh once on the tree as it is ("base"),
-# then once per patch, each applied alone and reverted after. Each run's summary.txt and logs.tar.gz go to
-# $OUT/<name>/; the comparable lines (cases and harness counts, marks round trips, bench rows) are printed last.
+# then once per patch, each applied alone and reverted after. Each run's summary.txt, logs.tar.gz and bench record
+# (BENCH_JSON) go to <name>/ in $OUT/runs.tar.gz (one file for every run); the comparable lines (cases and harness
+# counts, marks round trips, bench rows) are printed last, and kept in $OUT/try_patches.txt.
 #   git diff main...small-t-steps > exp_small_t.patch    # here: a patch is a file in the tree (untracked is fine)
 #   PATCHES="exp_small_t.patch exp_t4096.patch" RUN_ENV="TESTS=cases HARNESS=1 MARKS=1,128,4096" \
 #     bash tests/gpu/try_patches.sh                        # there
@@ -37,3 +38,4 @@ for name in "${names[@]}"; do
   grep -E "passed|failed|FAIL|build FAILED|round trip|^\[rank 0\] (dispatch|combine)_|^(\[rank 0\] )?(r1|v2lite) " \
     "$root/$name/summary.txt" | grep -v "^\[rank 0\] PASS"
 done | tee -a "$root/try_patches.txt"
+tar czf "$root/runs.tar.gz" -C "$root" "${names[@]}" && (cd "$root" && rm -rf "${names[@]}")
