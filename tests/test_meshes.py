@@ -559,3 +559,18 @@ def test_global_view_shapes_are_checked_against_num_shards():
     params = init_moe_params(jax.random.key(0), hidden=16, ffn=8, num_experts=8)
     with pytest.raises(ValueError, match=r"^x must have shape \(32, 16\) = \(num_shards \* max_tokens, hidden\)"):
         moe_layer(comm, params, x[:16])
+
+
+@pytest.mark.parametrize("backend", ["reference", "nvshmem stand-in"])
+def test_the_global_views_results_hold_no_zero_sized_array(backend):
+    """Named regression: the handle's grad_link was float32 [0]. Passed from the global dispatch's shard_map to the
+    global combine's, a zero-sized array made XLA:GPU's Shardy partitioner crash (SIGSEGV while compiling) whenever
+    several processes shared one GPU, so every global-view program failed to compile there."""
+    from conftest import nvshmem_stand_in
+
+    comm = MoEComm(small_config(dtype=jnp.float32), DATA2_EP4.mesh, backend="reference", custom_vjp=True)
+    comm = nvshmem_stand_in(comm) if backend == "nvshmem stand-in" else comm
+    x, ids = jnp.zeros((8 * 4, 16), jnp.float32), jnp.full((8 * 4, 2), -1, jnp.int32)
+    d = jax.eval_shape(lambda: jmc.dispatch(comm, x, ids))
+    empty = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(d) if leaf.size == 0]
+    assert empty == [], f"zero-sized results of the global dispatch: {empty}"
