@@ -87,7 +87,8 @@ __host__ __device__ inline bool has_remote_experts(const Sizes& s) { return s.lo
 
 inline size_t dispatch_recv_shared_bytes(const Sizes& s) {
   const int L = s.local_experts, G = s.num_dp;
-  return sizeof(int) * (3 * G + 2 + 3 * L * G + 2 * L + 1 + L * kBitWords + (has_remote_experts(s) ? s.num_experts : 0));
+  const int remote = has_remote_experts(s) ? s.num_experts : 0;
+  return sizeof(int) * (3 * G + 2 + 3 * L * G + 2 * L + 1 + L * kBitWords + remote);
 }
 
 __device__ inline Receive carve_receive(const Sizes& s, int* smem) {
