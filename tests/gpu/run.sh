@@ -27,7 +27,9 @@
 #                               earlier failures (differential.REGRESSIONS)
 #   SHARED_XLA="2 4 8"          XLA with that many processes on GPU 0 (for checking only: they time-slice one GPU): the
 #                               cases (the reference backend on each process's CPU devices; SHARED_CASES / SHARED_SKIP:
-#                               their --only / --skip), the demo and the decode example (DECODE's arguments)
+#                               their --only / --skip; SHARED_TIMEOUT: seconds for them at each N, default 900), the
+#                               demo and the decode example (DECODE's arguments). Each case's result line reaches
+#                               summary.txt as it ends, so a call cut short keeps the cases it finished
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
 #                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
@@ -54,6 +56,10 @@ export PYTHONPATH=$PWD
 step() { echo "=== $*" | tee -a "$OUT/summary.txt"; }
 # Rank 0's line per case (PASS, FAIL or SKIP) and its count, from a cases or harness log, into the summary.
 case_results() { grep -E "^\[rank 0\] (PASS|FAIL|SKIP|[0-9]+ passed)" "$1" | tee -a "$OUT/summary.txt"; }
+# The same lines as a run prints them (stdin: its output, kept whole in log $1): a call cut short keeps what ended.
+results_as_they_come() {
+  tee "$1" | grep --line-buffered -E "^\[rank 0\] (PASS|FAIL|SKIP|[0-9]+ passed)" | tee -a "$OUT/summary.txt"
+}
 # What compute-sanitizer reported in a log: device-side errors (memory access, races, barriers, uninitialized reads:
 # count and the first ones), CUDA API errors, and each rank's summary line.
 sanitizer_summary() {
@@ -127,9 +133,8 @@ step "NVSHMEM vs reference cases, ${RANKS:-2} rank(s)"
 timeout 900 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/nvshmem_cases.py --bootstrap "${BOOTSTRAP:-auto}" \
   ${CASES:+--only "$CASES"} \
   ${CASES_SKIP:+--skip "$CASES_SKIP"} \
-  > "$LOGS/cases.log" 2>&1
-rc=$?
-case_results "$LOGS/cases.log"
+  2>&1 | results_as_they_come "$LOGS/cases.log"
+rc=${PIPESTATUS[0]}
 step "cases exit code $rc"
 fi
 
@@ -197,11 +202,10 @@ for n in ${SHARED_XLA:-}; do  # N processes on GPU 0: every XLA program of their
 XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.5 / $n, 3))") \
 XLA_FLAGS=--xla_force_host_platform_device_count=$n"
   step "XLA cases, $n processes on GPU 0 (the reference on CPU)"
-  env $shared timeout 900 python3 -m jax_moe_comm.launch -n $n -- tests/gpu/nvshmem_cases.py --reference-on-cpu \
-    --symmetric-size 2G ${SHARED_CASES:+--only "$SHARED_CASES"} ${SHARED_SKIP:+--skip "$SHARED_SKIP"} \
-    > "$LOGS/shared_cases_$n.log" 2>&1
-  rc=$?
-  case_results "$LOGS/shared_cases_$n.log"
+  env $shared timeout "${SHARED_TIMEOUT:-900}" python3 -m jax_moe_comm.launch -n $n -- tests/gpu/nvshmem_cases.py \
+    --reference-on-cpu --symmetric-size 2G ${SHARED_CASES:+--only "$SHARED_CASES"} \
+    ${SHARED_SKIP:+--skip "$SHARED_SKIP"} 2>&1 | results_as_they_come "$LOGS/shared_cases_$n.log"
+  rc=${PIPESTATUS[0]}
   step "cases ($n processes on GPU 0) exit code $rc"
   step "demo, $n processes on GPU 0"
   env $shared timeout 300 python3 -m jax_moe_comm.launch -n $n -- python -m jax_moe_comm.demo \
@@ -222,9 +226,9 @@ if [ "${HARNESS:-0}" = 1 ]; then  # HARNESS_RANKS="2 4 8": once per world size; 
     if [ "${HARNESS_CASES:-1}" = 1 ]; then
       step "kernel harness cases, $n ranks (no XLA on the GPU)${shared:+, every rank on GPU 0}"
       env $shared NVSHMEM_DISABLE_NCCL=1 timeout 400 python3 -m jax_moe_comm.launch -n $n \
-        -- tests/gpu/kernel_harness.py ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} > "$LOGS/harness_$n.log" 2>&1
-      rc=$?
-      case_results "$LOGS/harness_$n.log"
+        -- tests/gpu/kernel_harness.py ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} 2>&1 \
+        | results_as_they_come "$LOGS/harness_$n.log"
+      rc=${PIPESTATUS[0]}
       step "kernel harness ($n ranks) exit code $rc"
     fi
     if [ -n "${HARNESS_DIFFERENTIAL:-}" ]; then
