@@ -191,6 +191,22 @@ def from_process_0(key: str, make: Callable[[], object]) -> object:
     return json.loads(client.blocking_key_value_get(f"jax_moe_comm/from_process_0/{key}", _KEY_VALUE_TIMEOUT_MS))
 
 
+def from_every_process(key: str, value: object) -> list:
+    """Every process's ``value`` (a JSON value), in process order, on every process, through the key-value store: what
+    each process saw (an error's text, a count) compared without an XLA collective. ``key`` names it in the job."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [value]
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    client.key_value_set(f"jax_moe_comm/from_every_process/{key}/{jax.process_index()}", json.dumps(value))
+    return [json.loads(client.blocking_key_value_get(f"jax_moe_comm/from_every_process/{key}/{process}",
+                                                     _KEY_VALUE_TIMEOUT_MS))
+            for process in range(jax.process_count())]
+
+
 def _warn_if_one_process_drives_gpus() -> None:
     import jax
 

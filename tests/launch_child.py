@@ -6,7 +6,8 @@ Modes (argv[1]):
   fail       rank 1 exits with status 3 at once; every other rank sleeps 60 s
   sleep      every rank sleeps 60 s
   env        print the launcher's environment variables (no JAX)
-  host_gather  a global array from each process's rows, gathered by host_gather; process 0's value everywhere
+  host_gather  a global array from each process's rows, gathered by host_gather; process 0's value everywhere;
+               every process's value everywhere (from_every_process)
 """
 
 import os
@@ -40,7 +41,7 @@ def allgather(expected: int) -> None:
 
 
 def gather_without_collectives() -> None:
-    from jax_moe_comm.launch import from_process_0, host_gather, initialize_distributed
+    from jax_moe_comm.launch import from_every_process, from_process_0, host_gather, initialize_distributed
 
     process_id, num_processes = initialize_distributed()
     import jax
@@ -54,6 +55,8 @@ def gather_without_collectives() -> None:
     got = host_gather({"a": a, "twice": a * 2, "none": None})
     assert np.array_equal(got["a"], rows) and np.array_equal(got["twice"], 2 * rows) and got["none"] is None, got
     chosen = from_process_0("child_value", lambda: [process_id, "from " + str(process_id)])
+    everyone = from_every_process("child_each", f"from {process_id}")
+    assert everyone == [f"from {p}" for p in range(num_processes)], everyone
     print(f"OK process {process_id} gathered {got['a'].shape} chosen={chosen}", flush=True)
     jax.distributed.shutdown()
     sys.stdout.flush()

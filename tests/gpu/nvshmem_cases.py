@@ -30,7 +30,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm as jmc
-from jax_moe_comm.launch import from_process_0, host_gather, initialize_distributed
+from jax_moe_comm.launch import from_every_process, from_process_0, host_gather, initialize_distributed
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 
@@ -823,18 +823,6 @@ def case_bad_ids_in_a_chain(mesh, seed, sync: bool = False):
         comm.close()
 
 
-def every_process(key: str, text: str) -> list[str]:
-    """`text` of every process, in process order, through the jax.distributed key-value store (no XLA collective)."""
-    if jax.process_count() == 1:
-        return [text]
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    client.key_value_set(f"jax_moe_comm/cases/{key}/{jax.process_index()}", text)
-    return [client.blocking_key_value_get(f"jax_moe_comm/cases/{key}/{p}", 120_000)
-            for p in range(jax.process_count())]
-
-
 def case_one_rank_faults(mesh, seed, fault):
     """A fault on one process, every process raising the same error once: "bad id" (the last rank's token 3 names
     expert 99) or "late" (the last process calls 2.5 timeouts after the others). The failed call gives NaN on every
@@ -869,7 +857,7 @@ def case_one_rank_faults(mesh, seed, fault):
         except Exception as exc:  # noqa: BLE001 (compared below)
             text = raised_text(exc)
         took = time.time() - start
-        texts = every_process(f"{fault}/{seed}", text)
+        texts = from_every_process(f"cases/{fault}/{seed}", text)
         assert len(set(texts)) == 1, f"the processes raised different errors: {texts}"
         want = "expert id 99 of token 3 is outside" if fault == "bad id" else "timed out waiting for rank"
         assert want in texts[0], texts[0]
