@@ -68,6 +68,8 @@ class Dispatched:
                    the whole EP group, each DP group's tokens once, before any drop; the same on every rank. For
                    load-balancing losses and monitoring; computed on the device: by the NVSHMEM dispatch's kernels
                    (no collective), or on the reference backend a psum of E integers (removed when nothing reads it).
+                   In a round trip that failed on a protocol error (a late or dead peer; y is NaN) the NVSHMEM counts
+                   hold only what arrived.
     dropped_rows:  int32 [], rows for this rank's experts that did not fit in capacity (0 unless it overflowed).
     """
 
