@@ -139,8 +139,9 @@ cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, cons
   int per_sm = 0;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   if (err != cudaSuccess) return err;
-  const int blocks = std::min(std::max(combine_send_blocks(ctx.s, reduced), combine_recv_blocks(ctx.s)),
-                              std::max(per_sm, 1) * ctx.s.sm_count);
+  const int blocks = within_budget(ctx.s, std::min(std::max(combine_send_blocks(ctx.s, reduced),
+                                                             combine_recv_blocks(ctx.s)),
+                                                    std::max(per_sm, 1) * ctx.s.sm_count));
   Context c = ctx;
   CombineSendArgs send_args = send;
   CombineRecvArgs recv_args = recv;

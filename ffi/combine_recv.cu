@@ -28,8 +28,8 @@ cudaError_t launch_combine_recv(const Context& ctx, const CombineRecvArgs& a, cu
   Context c = ctx;
   CombineRecvArgs args = a;
   void* params[] = {&c, &args};
-  return cudaLaunchKernel(kernel_for(a.in_dtype, a.out_dtype), combine_recv_blocks(ctx.s), kThreads, params, 0,
-                          stream);
+  return cudaLaunchKernel(kernel_for(a.in_dtype, a.out_dtype), within_budget(ctx.s, combine_recv_blocks(ctx.s)),
+                          kThreads, params, 0, stream);
 }
 
 }  // namespace jmc

@@ -31,9 +31,10 @@ cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cu
     CombineSendArgs args = a;
     void* params[] = {&c, &args};
     return cudaLaunchCooperativeKernel(reduced_kernel_for(a.in_dtype, a.partial_dtype),
-                                       combine_send_blocks(ctx.s, true), kThreads, params, 0, stream);
+                                       within_budget(ctx.s, combine_send_blocks(ctx.s, true)), kThreads, params,
+                                       0, stream);
   }
-  combine_send_kernel<<<combine_send_blocks(ctx.s, false), kThreads, 0, stream>>>(ctx, a);
+  combine_send_kernel<<<within_budget(ctx.s, combine_send_blocks(ctx.s, false)), kThreads, 0, stream>>>(ctx, a);
   return cudaGetLastError();
 }
 

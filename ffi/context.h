@@ -77,6 +77,8 @@ struct Sizes {
   int combine_stride;  // bytes of one combine row (hidden * the out dtype's bytes: slot and partial rows), 16-aligned
   int64_t timeout_ns;
   int sm_count;  // each launch sizes its grid from its work, capped by this
+  int max_blocks;  // MoEComm(max_sms=...): every launch's grid at most this many blocks (0: no bound); see
+                   // within_budget
   int drop_overflow;  // rows past capacity are dropped without an error (MoECommConfig(overflow="drop"))
 };
 

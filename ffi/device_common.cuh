@@ -610,6 +610,13 @@ inline int blocks_for(long long work, int per_block, int cap) {
   return static_cast<int>(b < 1 ? 1 : (b > cap ? cap : b));
 }
 
+// A launch's grid within the MoEComm's SM budget (Sizes::max_blocks): at most that many blocks, so at most that many
+// SMs run the kernel and the others stay free for the caller's compute. Every kernel strides its work over its grid
+// (a grid of one block does it all), and the cooperative ones wait only on blocks of a grid that is all resident.
+inline int within_budget(const Sizes& s, int blocks) {
+  return s.max_blocks > 0 && blocks > s.max_blocks ? s.max_blocks : blocks;
+}
+
 // Launch helpers (host side), one per phase and one per fused direction; each returns the CUDA error of its launch.
 struct DispatchSendArgs {
   const void* x; const float* scales; const int32_t* topk_ids; const int32_t* num_tokens; int32_t* status;

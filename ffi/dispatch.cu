@@ -205,7 +205,7 @@ cudaError_t launch_cooperative(Kernel kernel, int wanted_blocks, const Context& 
   int per_sm = 0;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared);
   if (err != cudaSuccess) return err;
-  const int blocks = std::min(wanted_blocks, std::max(per_sm, 1) * ctx.s.sm_count);
+  const int blocks = within_budget(ctx.s, std::min(wanted_blocks, std::max(per_sm, 1) * ctx.s.sm_count));
   Context c = ctx;
   DispatchSendArgs send_args = send;
   DispatchRecvArgs recv_args = recv;

@@ -22,7 +22,7 @@ cudaError_t launch_dispatch_recv(const Context& ctx, const DispatchRecvArgs& a, 
                                                  static_cast<int>(shared));
     if (err != cudaSuccess) return err;
   }
-  const int blocks = dispatch_recv_blocks(ctx.s);
+  const int blocks = within_budget(ctx.s, dispatch_recv_blocks(ctx.s));
   Context c = ctx;
   DispatchRecvArgs args = a;
   void* params[] = {&c, &args};

@@ -53,7 +53,7 @@ cudaError_t launch_dispatch_send(const Context& ctx, const DispatchSendArgs& a, 
   Context c = ctx;
   DispatchSendArgs args = a;
   void* params[] = {&c, &args};
-  const int blocks_for_tokens = dispatch_send_blocks(ctx.s);
+  const int blocks_for_tokens = within_budget(ctx.s, dispatch_send_blocks(ctx.s));
   if (ctx.p2p)  // a warp per token; blocks never wait on each other
     return cudaLaunchKernel(a.quantize ? reinterpret_cast<void*>(dispatch_send_p2p_kernel<true>)
                                        : reinterpret_cast<void*>(dispatch_send_p2p_kernel<false>),

@@ -117,7 +117,8 @@ cudaError_t launch_probe(const Context& ctx, const void* x, void* out, long long
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   if (err != cudaSuccess) return err;
   long long items = flagged ? bytes / 8 : bytes / 16;  // 8-byte pairs of words, or 16-byte words
-  const int blocks = std::min(blocks_for(items, kThreads * 4, ctx.s.sm_count), std::max(per_sm, 1) * ctx.s.sm_count);
+  const int blocks = within_budget(ctx.s, std::min(blocks_for(items, kThreads * 4, ctx.s.sm_count),
+                                                    std::max(per_sm, 1) * ctx.s.sm_count));
   Context c = ctx;
   const void* src = x;
   void* dst = out;

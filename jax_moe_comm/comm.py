@@ -175,6 +175,11 @@ class MoEComm:
         round (two of each in a dispatch, one or two in a combine); the split halves then overlap nothing: each runs
         its fused call in its second half (``dispatch_recv``, ``combine_recv``). NVLink peers only; a ValueError when
         not even a round of one token per rank fits, or with ``staged=True``.
+      max_sms: a bound on the SMs each of the NVSHMEM backend's kernels runs on (its grid at most that many blocks
+        of 256 threads), so that compute placed between the split halves, or on another stream, keeps the other
+        SMs. None (default): no bound; each kernel sizes its grid from its work, up to several blocks per SM. A
+        smaller budget makes every round trip slower and leaves more of the GPU to the caller (the bench measures
+        both: benchmarks/README.md). The same results bit for bit.
 
     On the NVSHMEM backend's NVLink path the fused ``dispatch`` and ``combine`` run one kernel each (send, then
     receive), the split halves two; the results are the same.
@@ -200,7 +205,7 @@ class MoEComm:
                  custom_vjp: bool | None = None, grad_dtype: Any = None, check_errors: bool | str = True,
                  timeout_s: float = 30.0, prereduce_min_tokens: int = 64, ids_first_min_tokens: int = 1024,
                  low_latency_max_tokens: int = 0, staged: bool = False,
-                 max_symmetric_bytes: int | None = None) -> None:
+                 max_symmetric_bytes: int | None = None, max_sms: int | None = None) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if not isinstance(mesh, Mesh):
@@ -212,8 +217,7 @@ class MoEComm:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         options = Options(check_errors=check_errors, timeout_s=timeout_s, prereduce_min_tokens=prereduce_min_tokens,
                           ids_first_min_tokens=ids_first_min_tokens, low_latency_max_tokens=low_latency_max_tokens,
-                          staged=staged,
-                          max_symmetric_bytes=max_symmetric_bytes)
+                          staged=staged, max_symmetric_bytes=max_symmetric_bytes, max_sms=max_sms)
         self.cfg = cfg
         self.mesh = mesh
         self.axis_name = axis_name if isinstance(axis_name, str) else ep_axes  # as given (a list becomes a tuple)

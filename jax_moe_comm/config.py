@@ -209,6 +209,7 @@ class Options:
     low_latency_max_tokens: int = 0
     staged: bool = False
     max_symmetric_bytes: int | None = None
+    max_sms: int | None = None
 
     def __post_init__(self) -> None:
         if self.check_errors not in CHECK_ERRORS or not isinstance(self.check_errors, (bool, str)):
@@ -226,6 +227,11 @@ class Options:
             raise ValueError(f"max_symmetric_bytes must be None or a positive int (bytes per GPU), got {m!r}")
         if m is not None:
             object.__setattr__(self, "max_symmetric_bytes", int(m))
+        n = self.max_sms
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+            raise ValueError(f"max_sms must be None or a positive int (SMs each kernel may use), got {n!r}")
+        if n is not None:
+            object.__setattr__(self, "max_sms", int(n))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,9 +59,10 @@ def _round16(n: int) -> int:
 
 
 def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132, timeout_s: float = 30.0,
-                 window_slots: int | None = None) -> dict[str, int]:
+                 window_slots: int | None = None, max_sms: int | None = None) -> dict[str, int]:
     """The ``Sizes`` struct of ffi/context.h for one rank. window_slots: the slots per source of a round (see
-    window_slots_for); None: every slot, no window."""
+    window_slots_for); None: every slot, no window. max_sms: MoEComm's SM budget, each kernel's grid at most that
+    many blocks (None: no bound)."""
     geo = Geometry(cfg, world, ())
     payload = cfg.hidden * np.dtype(cfg.dtype).itemsize
     slots = -(-cfg.max_tokens // cfg.dp_size)
@@ -76,6 +77,7 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
         combine_stride=_round16(cfg.hidden * np.dtype(cfg.out_dtype).itemsize),
         timeout_ns=int(timeout_s * 1e9),
         sm_count=sm_count,
+        max_blocks=0 if max_sms is None else max_sms,
         drop_overflow=int(cfg.overflow == "drop"),
     )
 
@@ -281,7 +283,7 @@ def share_plan(owner: Plan, geo: Geometry) -> Plan:
     round trip of one that overlaps one of the other fails with an "expected <phase>" error instead of mixing rows.
     Not collective; close it before its owner."""
     sizes = kernel_sizes(geo.cfg, geo.world, owner.rank, _native.ext.sm_count(), geo.options.timeout_s,
-                         owner.window_slots)
+                         owner.window_slots, geo.options.max_sms)
     ctx = _native.ext.share_context(owner.ctx, sizes, owner.layout, geo.options.ids_first_min_tokens)
     return Plan(geo, ctx, owner.p2p, owner.rank, owner.layout, owner.window_slots,
                 bool(_native.ext.context_flagged(ctx)), owner)
@@ -297,7 +299,7 @@ def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, 
     staging = options.staged or not _native.ext.job_on_nvlink(pes)
     window, flagged = window_and_path(cfg, world, options.max_symmetric_bytes, staging, shared_with, None,
                                       options.low_latency_max_tokens)
-    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s, window)
+    sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s, window, options.max_sms)
     layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window, flagged)
     ctx = _native.ext.create_context(sizes, layout, pes, staged=options.staged,
                                      ids_first_min_tokens=options.ids_first_min_tokens)

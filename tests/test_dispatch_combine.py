@@ -417,6 +417,8 @@ def test_thresholds_must_be_non_negative_ints(name, value):
     ("timeout_s", "30", r"timeout_s must be a number of seconds in \(0, 86400\], got '30'"),
     ("staged", 1, "staged must be a bool, got 1"),
     ("check_errors", "later", "check_errors must be True, False or 'sync', got 'later'"),
+    ("max_sms", 0, r"max_sms must be None or a positive int \(SMs each kernel may use\), got 0"),
+    ("max_sms", 8.0, r"max_sms must be None or a positive int \(SMs each kernel may use\), got 8.0"),
 ])
 def test_options_are_validated(name, value, message):
     with pytest.raises(ValueError, match=message):
@@ -432,6 +434,19 @@ def test_every_option_is_in_the_repr_and_options():
         assert f"{field.name}={getattr(comm.options, field.name)!r}" in text
     assert (comm.options.timeout_s, comm.options.staged, comm.options.ids_first_min_tokens) == (5.0, True, 0)
     assert comm.options.check_errors is True and comm.options.prereduce_min_tokens == 64
+
+
+def test_the_sm_budget_bounds_every_kernel_grid():
+    """max_sms reaches the kernels as Sizes::max_blocks (0: no bound), and the weights exchange has the same
+    budget as the round trips."""
+    from jax_moe_comm import nvshmem_backend
+
+    cfg = MoECommConfig(8, 2, 16, 4)
+    assert nvshmem_backend.kernel_sizes(cfg, 2, 0)["max_blocks"] == 0
+    assert nvshmem_backend.kernel_sizes(cfg, 2, 0, max_sms=16)["max_blocks"] == 16
+    comm = MoEComm(cfg, ep_mesh(2), backend="reference", custom_vjp=True, max_sms=16)
+    assert "max_sms=16" in repr(comm)
+    assert comm._weights_geo.options.max_sms == 16
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

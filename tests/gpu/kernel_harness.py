@@ -126,6 +126,16 @@ CASES = {
                                       "uniform", PARTIAL),
     "windowed: dp_size 2, num_tokens partial": (C(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32, dp_size=2),
                                                 "uniform", {**PARTIAL, **WINDOW(3)}),
+    # An SM budget (MoEComm(max_sms=...)): every kernel's grid cut to that many blocks, down to one.
+    "SM budget 1: fp8+scales K8": (FP8(32, 8, 512, 16, 128), "uniform", {"max_sms": 1}),
+    "SM budget 3: many tokens": (C(16, 2, 128, 40000, dtype=jnp.float32, out_dtype=jnp.float32), "uniform",
+                                 {"max_sms": 3}),
+    "SM budget 2: ids first, skewed": (C(8, 3, 64, 32, dtype=jnp.bfloat16), "skewed", {**IDS_FIRST, "max_sms": 2}),
+    "SM budget 2: staged puts, quantize": (FP8(32, 8, 512, 16, 128), "uniform", {**QUANTIZE, "staged": True,
+                                                                                "max_sms": 2}),
+    "SM budget 1: windowed, 3 rounds": (C(32, 8, 256, 32, dtype=jnp.bfloat16), "uniform", {**WINDOW(11), "max_sms": 1}),
+    "SM budget 4: dp_size 2, num_tokens partial": (C(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32,
+                                                     dp_size=2), "uniform", {**PARTIAL, "max_sms": 4}),
 }
 TOO_SLOW_UNDER_SANITIZER = {"many tokens: several batches per block"}
 WEIGHTS_AT = {"send": "at combine_send", "recv": "at combine_recv", "dispatch": "given to dispatch_send"}
@@ -205,7 +215,7 @@ def create_context(cfg, world, rank, pes=None, **options):
         options["max_symmetric_bytes"] = window_bound(cfg, world, options.pop("window_slots"))
     opts = Options(**{**RUN, **options})
     ctx, _, window = create_backend_context(cfg, world, rank, opts, pes)
-    return ctx, kernel_sizes(cfg, world, rank, _native.ext.sm_count(), opts.timeout_s, window)
+    return ctx, kernel_sizes(cfg, world, rank, _native.ext.sm_count(), opts.timeout_s, window, opts.max_sms)
 
 
 @functools.cache
@@ -450,8 +460,8 @@ def shared_buffer_set(rank, world, seed, window_slots: int | None = None) -> str
     bound = None if window_slots is None else window_bound(cfg, world, window_slots, (grad,))
     ext, opts = _native.ext, Options(**{**RUN, "max_symmetric_bytes": bound})
     owner, layout, window = create_backend_context(cfg, world, rank, opts, None, (grad,))
-    sizes = kernel_sizes(cfg, world, rank, ext.sm_count(), opts.timeout_s, window)
-    grad_sizes = kernel_sizes(grad, world, rank, ext.sm_count(), opts.timeout_s, window)
+    sizes = kernel_sizes(cfg, world, rank, ext.sm_count(), opts.timeout_s, window, opts.max_sms)
+    grad_sizes = kernel_sizes(grad, world, rank, ext.sm_count(), opts.timeout_s, window, opts.max_sms)
     shared = ext.share_context(owner, grad_sizes, layout, opts.ids_first_min_tokens)
     T, rows = cfg.max_tokens, slice(rank * cfg.max_tokens, (rank + 1) * cfg.max_tokens)
     try:

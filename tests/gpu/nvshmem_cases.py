@@ -307,6 +307,11 @@ def ids_first(case):
     return with_options(case, "ids first", ids_first_min_tokens=1)
 
 
+def sm_budget(case, sms: int):
+    """Every MoEComm of `case` with max_sms=sms: each kernel's grid cut to that many blocks."""
+    return with_options(case, f"SM budget {sms}", max_sms=sms)
+
+
 def windowed(case, slots: int):
     """Every MoEComm of `case` with a max_symmetric_bytes that leaves it a window of `slots` slots per source (an even
     split of its slots, as MoEComm makes windows): its rows travel in rounds (max_tokens / slots of them, rounded
@@ -1220,6 +1225,14 @@ def main() -> int:
         ("windowed: scan over 4 layers", lambda s: windowed(lambda: case_scan_layers(mesh, s), 7)),
         ("windowed: grad: custom VJP vs plain AD", lambda s: windowed(lambda: case_grad(mesh, s), 4)),
         ("windowed: grad: fp8 dispatch, bf16 gradients", lambda s: windowed(lambda: case_grad_fp8(mesh, s), 3)),
+        ("SM budget 1: fp8+scales K8", lambda s: sm_budget(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128)), 1)),
+        ("SM budget 2: weights to dispatch, ids first", lambda s: sm_budget(lambda: prereduced(lambda: ids_first(
+            lambda: run_case(mesh, s, "", C(32, 8, 256, 32, dtype=bf16), weights_to="dispatch"))), 2)),
+        ("SM budget 3: windowed, quantize", lambda s: sm_budget(lambda: windowed(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128), quantize=True), 4), 3)),
+        ("SM budget 2: grad: scan over checkpointed layers", lambda s: sm_budget(lambda: case_grad_composition(
+            mesh, s, "scan, checkpointed"), 2)),
         ("interleaved round trips on one MoEComm", lambda s: case_out_of_order(mesh, s)),
         ("a backward dispatch inside a forward round trip (fp8, grad_dtype)",
          lambda s: case_backward_set_out_of_order(mesh, s)),
