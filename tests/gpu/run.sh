@@ -26,10 +26,10 @@
 #                               reference backend (L: seconds after which no setup starts), after the named draws of
 #                               earlier failures (differential.REGRESSIONS)
 #   SHARED_XLA="2 4 8"          XLA with that many processes on GPU 0 (for checking only: they time-slice one GPU): the
-#                               cases (the reference backend on each process's CPU devices; SHARED_CASES / SHARED_SKIP:
-#                               their --only / --skip; SHARED_TIMEOUT: seconds for them at each N, default 900), the
-#                               demo and the decode example (DECODE's arguments). Each case's result line reaches
-#                               summary.txt as it ends, so a call cut short keeps the cases it finished
+#                               demo, the decode example (DECODE's arguments) and the cases (the reference backend on
+#                               each process's CPU devices; SHARED_CASES / SHARED_SKIP: their --only / --skip;
+#                               SHARED_TIMEOUT: seconds for them at each N, default 900). Each case's result line
+#                               reaches summary.txt as it ends, so a call cut short keeps the cases it finished
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
 #                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
@@ -201,24 +201,25 @@ for n in ${SHARED_XLA:-}; do  # N processes on GPU 0: every XLA program of their
   shared="CUDA_VISIBLE_DEVICES=0$(printf ',0%.0s' $(seq 2 $n)) NVSHMEM_DISABLE_NCCL=1 PYTHONFAULTHANDLER=1 \
 XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.5 / $n, 3))") \
 XLA_FLAGS=--xla_force_host_platform_device_count=$n"
+  # The demo and the decode example first: a call cut short by its time limit keeps them.
+  step "demo, $n processes on GPU 0"
+  env $shared timeout 150 python3 -m jax_moe_comm.launch -n $n -- python -m jax_moe_comm.demo \
+    > "$LOGS/shared_demo_$n.log" 2>&1
+  rc=$?
+  grep "^\[rank 0\]   " "$LOGS/shared_demo_$n.log" | tee -a "$OUT/summary.txt"
+  step "demo ($n processes on GPU 0) exit code $rc"
+  step "decode example, $n processes on GPU 0: ${DECODE:-}"
+  env $shared timeout 150 python3 -m jax_moe_comm.launch -n $n -- -m jax_moe_comm.examples.decode ${DECODE:-} \
+    > "$LOGS/shared_decode_$n.log" 2>&1
+  rc=$?
+  grep -E "^\[rank 0\] .*(PASS|FAIL|tokens/s|backend)" "$LOGS/shared_decode_$n.log" | tee -a "$OUT/summary.txt"
+  step "decode ($n processes on GPU 0) exit code $rc"
   step "XLA cases, $n processes on GPU 0 (the reference on CPU)"
   env $shared timeout "${SHARED_TIMEOUT:-900}" python3 -m jax_moe_comm.launch -n $n -- tests/gpu/nvshmem_cases.py \
     --reference-on-cpu --symmetric-size 2G ${SHARED_CASES:+--only "$SHARED_CASES"} \
     ${SHARED_SKIP:+--skip "$SHARED_SKIP"} 2>&1 | results_as_they_come "$LOGS/shared_cases_$n.log"
   rc=${PIPESTATUS[0]}
   step "cases ($n processes on GPU 0) exit code $rc"
-  step "demo, $n processes on GPU 0"
-  env $shared timeout 300 python3 -m jax_moe_comm.launch -n $n -- python -m jax_moe_comm.demo \
-    > "$LOGS/shared_demo_$n.log" 2>&1
-  rc=$?
-  grep "^\[rank 0\]   " "$LOGS/shared_demo_$n.log" | tee -a "$OUT/summary.txt"
-  step "demo ($n processes on GPU 0) exit code $rc"
-  step "decode example, $n processes on GPU 0: ${DECODE:-}"
-  env $shared timeout 300 python3 -m jax_moe_comm.launch -n $n -- -m jax_moe_comm.examples.decode ${DECODE:-} \
-    > "$LOGS/shared_decode_$n.log" 2>&1
-  rc=$?
-  grep -E "^\[rank 0\] .*(PASS|FAIL|tokens/s|backend)" "$LOGS/shared_decode_$n.log" | tee -a "$OUT/summary.txt"
-  step "decode ($n processes on GPU 0) exit code $rc"
 done
 if [ "${HARNESS:-0}" = 1 ]; then  # HARNESS_RANKS="2 4 8": once per world size; HARNESS_ONLY: its --only
   for n in ${HARNESS_RANKS:-2}; do
