@@ -335,3 +335,30 @@ def test_committed_records_have_the_schema_and_the_readme_shows_the_newest():
     readme = (ROOT / "README.md").read_text()
     shown = readme[readme.index(render.BEGIN) + len(render.BEGIN):readme.index(render.END)].strip()
     assert shown == render.markdown_table(newest, str(newest_path.relative_to(ROOT))).strip()
+
+
+def test_the_overlap_mode_times_compute_between_the_split_halves(tmp_path):
+    """--overlap: each MoEComm backend's size gets the round trip, the shared expert alone and the round trip with the
+    shared expert between the dispatch's halves, and hidden_us is exactly what the first two add up to beyond the
+    third; a backend without split halves says so instead of a time."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_FLAGS" and not k.startswith("JAX_") or k == "JAX_ENABLE_X64"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "jax_moe_comm.bench", "--quick", "--overlap", "64", "--configs", "v2lite",
+           "--backends", "reference,padded", "--json", str(tmp_path / "overlap.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "overlap.json").read_text())
+    assert record["overlap"] == 64 and "hidden_us" in proc.stdout
+    rows = {row["backend"]: row for row in record["rows"]}
+    ref = rows["reference"]
+    assert ref.get("error") is None and ref["rel_err"] < 2e-2, ref  # its round trip against the NumPy brute force
+    assert ref["compute_us"] is not None and ref["overlapped_us"] is not None, ref  # timed (CPU: any sign)
+    assert ref["hidden_us"] == pytest.approx(ref["total_us"] + ref["compute_us"] - ref["overlapped_us"], abs=2e-3)
+    assert ref["dispatch_us"] is None and ref["combine_us"] is None, ref  # no halves
+    assert "split halves" in rows["padded"]["error"] and rows["padded"]["total_us"] is None
+
+
+def test_the_overlap_mode_refuses_the_backward_mode():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--overlap", "--backward"])

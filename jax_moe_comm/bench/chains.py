@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jax_moe_comm.layers import shared_expert
+
 from . import baselines
 from .configs import AXIS, EPS, Array, BenchConfig, expert_stand_in
 from .impls import Impl
@@ -77,6 +79,57 @@ def backward_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
     def body(x, scales, ids, w):
         loss = lambda w: jnp.sum(forward(x, scales, ids, w)[0].astype(jnp.float32))  # noqa: E731
         return x, jax.grad(loss)(w)
+
+    return body
+
+
+def shared_expert_weights(cfg: BenchConfig, ffn: int) -> dict:
+    """A shared expert of width ``ffn`` (bfloat16 [H, ffn], [H, ffn], [ffn, H]), drawn inside the program: once per
+    call, so the per-step time (n-chain minus 1-chain) does not see it."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    shapes = {"gate": (cfg.hidden, ffn), "up": (cfg.hidden, ffn), "down": (ffn, cfg.hidden)}
+    return {name: (jax.random.normal(k, shape, jnp.float32) / shape[0] ** 0.5).astype(jnp.bfloat16)
+            for k, (name, shape) in zip(keys, shapes.items(), strict=True)}
+
+
+def compute_chain(impl: Impl, cfg: BenchConfig, n: int, ffn: int) -> Callable:
+    """n shared experts (layers.shared_expert: a SwiGLU of width ``ffn`` over the T tokens, in bfloat16), each on
+    the last one's output: the compute ``overlapped_chain`` places between the split halves, timed alone."""
+
+    def body(x, scales, ids, w):
+        weights = shared_expert_weights(cfg, ffn)
+        s = None
+        for _ in range(n):
+            s = shared_expert(x.astype(jnp.bfloat16), weights)
+            x = _step(x, s)
+        return x, s
+
+    return body
+
+
+def overlapped_chain(impl: Impl, cfg: BenchConfig, n: int, ffn: int) -> Callable:
+    """round_trip_chain's n round trips with the dispatch split in its halves and compute_chain's shared expert
+    between them, as a layer places it (it reads x, not the rows in flight); the next step takes x + EPS * (y + the
+    shared expert's output). Against the round trip and the compute timed alone, this says how much of the round
+    trip the compute hides."""
+
+    def body(x, scales, ids, w):
+        weights = shared_expert_weights(cfg, ffn)
+        y = expert_y = None
+        for _ in range(n):
+            pending = impl.dispatch_send(x, scales, ids, w)
+            s = shared_expert(x.astype(jnp.bfloat16), weights)
+            rows, row_scales, aux = impl.dispatch_recv(pending)
+            if expert_y is None:
+                expert_y = expert_stand_in(cfg, rows, row_scales)
+            else:
+                extra = 0.0 if row_scales is None else row_scales[:1, :1]
+                expert_y = _set_leading_rows(expert_y, _step(expert_y[:1], rows[:1], extra))
+            y = impl.combine(expert_y, aux, w)
+            x = _step(x, y.astype(jnp.float32) + s)
+            if scales is not None:
+                scales = _step(scales, y[:, : scales.shape[1]])
+        return x, y
 
     return body
 

@@ -35,6 +35,7 @@ from .impls import ALL_BACKENDS, PROBES, QUANTIZE, UNCHECKED
 from .measure import Progress, Row, available_backends, bench_backend, start_nvshmem, to_global
 from .record import command_line, format_table, git_commit, plot_record
 
+SHARED_EXPERT_FFN = 2048  # DeepSeek-R1's shared expert width: --overlap's compute by default
 DESCRIPTION = "Dispatch + combine latency: this library's backends against XLA-collective baselines"
 # MoEComm's options that --option may set (check_errors has --no-check and the nvshmem_unchecked backend).
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options) if f.name != "check_errors")
@@ -75,6 +76,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--backward", action="store_true",
                    help="time forward and backward round trips: each step of the chain is a round trip and its "
                         "gradient's (jax.grad with respect to the top-k weights); no halves, no probes")
+    p.add_argument("--overlap", type=int, nargs="?", const=SHARED_EXPERT_FFN, default=None, metavar="FFN",
+                   help="time a round trip with compute between the dispatch's split halves (a shared expert of "
+                        f"width FFN over the tokens, default {SHARED_EXPERT_FFN}: R1's), beside the round trip and "
+                        "the compute alone; hidden_us is what the overlap saved. MoEComm backends; no halves")
     p.add_argument("--json", default=None, help="write the record (see benchmarks/README.md) to this path")
     p.add_argument("--plot", default=None, help="write a PNG: latency vs tokens per backend, log-log")
     p.add_argument("--quick", action="store_true",
@@ -98,6 +103,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"unknown backend(s) {unknown}; choose from {list(ALL_BACKENDS)}")
     if args.chain < 2:
         p.error("--chain must be >= 2")
+    if args.overlap is not None and (args.overlap < 1 or args.backward):
+        p.error("--overlap takes a positive shared-expert width and times forward round trips (not --backward)")
     if args.repeats < 1 or any(t < 1 for t in args.tokens):
         p.error("--repeats and --tokens must be positive")
     return args
@@ -145,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check_errors": args.check_errors,
         "weights_to": args.weights_to,
         "backward": args.backward,
+        "overlap": args.overlap,
         "options": args.options,
         "seed": seed,
         "configs": {c.name: c.describe() for c in args.config_list},
@@ -191,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if leader:
         print(f"jax_moe_comm bench: {record['device']}, world {world}, {jax.process_count()} process(es), "
               f"jax {jax.__version__}, chain {args.chain}, repeats {args.repeats}, seed {seed}"
-              + (", forward + backward round trips" if args.backward else ""))
+              + (", forward + backward round trips" if args.backward else "")
+              + (f", a shared expert of width {args.overlap} between the dispatch's halves" if args.overlap else ""))
         print(format_table(record["rows"]))
         if args.json:
             print(f"wrote {args.json}")

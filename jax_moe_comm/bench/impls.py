@@ -24,12 +24,21 @@ class Impl:
 
     name = ""
     halves = True  # whether dispatch and combine may run (and be timed) on their own
+    split = False  # whether the dispatch has split halves (dispatch_send, dispatch_recv) to place compute between
 
     def inputs(self, x, scales):
         """The chain's (x, scales) from the config's tokens, made once outside the timed chain."""
         return x, scales
 
     def dispatch(self, x, scales, ids, w):
+        raise NotImplementedError
+
+    def dispatch_send(self, x, scales, ids, w):
+        """Starts the dispatch (split backends only); its result goes to dispatch_recv."""
+        raise NotImplementedError
+
+    def dispatch_recv(self, pending):
+        """(rows, row_scales, aux), as dispatch returns them."""
         raise NotImplementedError
 
     def combine(self, expert_y, aux, w):
@@ -66,9 +75,19 @@ class CommImpl(Impl):
         rows = x.astype(jnp.float32) * jnp.repeat(scales, self.block, axis=1)
         return jax.jit(lambda r: r.astype(jnp.bfloat16))(rows), None
 
+    split = True
+
     def dispatch(self, x, scales, ids, w):
         d = self.comm.dispatch(x, ids, scales, topk_weights=w if self.weights_to == "dispatch" else None,
                                quantize=self.quantize)
+        return d.expert_x, d.expert_scales, (d.group_sizes, d.handle)
+
+    def dispatch_send(self, x, scales, ids, w):
+        return self.comm.dispatch_send(x, ids, scales, topk_weights=w if self.weights_to == "dispatch" else None,
+                                       quantize=self.quantize)
+
+    def dispatch_recv(self, pending):
+        d = self.comm.dispatch_recv(pending)
         return d.expert_x, d.expert_scales, (d.group_sizes, d.handle)
 
     def combine(self, expert_y, aux, w):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -21,9 +22,11 @@ from jax_moe_comm import runtime
 from .chains import (
     backward_chain,
     combine_chain,
+    compute_chain,
     dispatch_chain,
     lower_chain,
     merged_steps,
+    overlapped_chain,
     per_step_us,
     round_trip_chain,
 )
@@ -92,6 +95,9 @@ class Row:
     combine_us: float | None = None
     total_us: float | None = None
     total_us_each: list[float] | None = None  # every repeat's round trip (total_us is their median): the spread
+    compute_us: float | None = None  # --overlap: the shared expert alone
+    overlapped_us: float | None = None  # --overlap: the round trip with the shared expert between its halves
+    hidden_us: float | None = None  # --overlap: total + compute - overlapped, what the overlap saved
     gbps: float | None = None
     bytes: float | None = None
     rel_err: float | None = None
@@ -100,7 +106,8 @@ class Row:
 
     def record(self) -> dict:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("error", "note")}
-        for key in ("dispatch_us", "combine_us", "total_us", "gbps", "bytes"):
+        for key in ("dispatch_us", "combine_us", "total_us", "compute_us", "overlapped_us", "hidden_us", "gbps",
+                    "bytes"):
             if out[key] is not None:
                 out[key] = round(out[key], 3)
         if out["total_us_each"] is not None:
@@ -185,7 +192,14 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
 
     args0 = device_args(0)
     builders = {"total": backward_chain if args.backward else round_trip_chain}
-    if impl.halves and args.halves and not args.backward:
+    if args.overlap:
+        if not impl.split:
+            impl.close()
+            row.error = "--overlap needs a dispatch in split halves (the MoEComm backends)"
+            return row
+        builders.update(compute=functools.partial(compute_chain, ffn=args.overlap),
+                        overlapped=functools.partial(overlapped_chain, ffn=args.overlap))
+    elif impl.halves and args.halves and not args.backward:
         builders.update(dispatch=dispatch_chain, combine=combine_chain)
     compiled, errors = {}, {}
     try:
@@ -204,7 +218,9 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
                 except Exception as exc:  # noqa: BLE001
                     errors[part] = short_error(exc)
         for part, pair in list(compiled.items()):  # a round trip sends both ways; a half, one way
-            reason = merged_steps(pair, n, 2 if part == "total" else 1)
+            if part == "compute":  # no communication to count
+                continue
+            reason = merged_steps(pair, n, 2 if part in ("total", "overlapped") else 1)
             if reason is not None:
                 del compiled[part]
                 errors[part] = reason
@@ -264,12 +280,17 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
         row.total_us_each = times.get("total") or None
         row.dispatch_us = median_or_none(times.get("dispatch", []))
         row.combine_us = median_or_none(times.get("combine", []))
+        row.compute_us = median_or_none(times.get("compute", []))
+        row.overlapped_us = median_or_none(times.get("overlapped", []))
+        if None not in (row.total_us, row.compute_us, row.overlapped_us):
+            row.hidden_us = row.total_us + row.compute_us - row.overlapped_us
         if nbytes and row.total_us and not args.backward:  # the bytes of a forward round trip
             row.bytes = float(np.mean(nbytes))
             row.gbps = row.bytes / (row.total_us * 1e-6) / 1e9 if row.total_us > 0 else None
         row.note = timing_note(times.get("total", []), n) or row.note
         if errors:
-            row.error = "; ".join(f"{part}: {text}" if part in ("dispatch", "combine") else text
+            row.error = "; ".join(f"{part}: {text}" if part in ("dispatch", "combine", "compute", "overlapped")
+                                  else text
                                   for part, text in errors.items())
         return row
     finally:

@@ -34,17 +34,20 @@ def command_line(argv: Sequence[str]) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A plain-text table of the rows (times in microseconds)."""
-    head = ("config", "tokens", "backend", "total_us", "dispatch_us", "combine_us", "GB/s", "error")
+    """A plain-text table of the rows (times in microseconds); --overlap's columns where a row has them."""
+    times = ["total_us", "dispatch_us", "combine_us"]
+    if any(r.get("overlapped_us") is not None for r in rows):
+        times += ["compute_us", "overlapped_us", "hidden_us"]
+    head = ("config", "tokens", "backend", *times, "GB/s", "error")
 
     def num(v, digits=1):
         return "-" if v is None else f"{v:.{digits}f}"
 
-    lines = [(r["config"], str(r["tokens"]), r["backend"], num(r["total_us"]), num(r.get("dispatch_us")),
-              num(r.get("combine_us")), num(r.get("gbps"), 2), (r.get("error") or r.get("note") or "")[:70])
+    lines = [(r["config"], str(r["tokens"]), r["backend"], *(num(r.get(t)) for t in times), num(r.get("gbps"), 2),
+              (r.get("error") or r.get("note") or "")[:70])
              for r in rows]
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
-    fmt = lambda cells: "  ".join(c.rjust(w) if 2 < i < 7 else c.ljust(w)  # noqa: E731
+    fmt = lambda cells: "  ".join(c.rjust(w) if 2 < i < len(head) - 1 else c.ljust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
 
