@@ -342,10 +342,37 @@ std::string reset_context(Context* ctx) {
   return error;
 }
 
+namespace {
+// A protocol failure as every rank raises it: the entry of the lowest rank that published one (fatal_failures),
+// this rank's epoch kept. Two ranks may each time out before the other's abort reaches them; each rank's host then
+// holds its own first failure, and without this the processes of one job would raise different texts. Cold path:
+// reads device memory on a stream of its own (as zero_context); the publishing ranks completed their puts before
+// their kernels ended.
+std::vector<int32_t> settled_protocol_failure(Context* ctx, const std::vector<int32_t>& own) {
+  std::vector<int32_t> entries(static_cast<size_t>(ctx->s.world) * kStatusWords);
+  cudaStream_t stream = nullptr;
+  const bool ok = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess &&
+                  cudaMemcpyAsync(entries.data(), ctx->fatal_failures, entries.size() * sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
+                  cudaStreamSynchronize(stream) == cudaSuccess;
+  if (stream != nullptr) cudaStreamDestroy(stream);
+  if (!ok) return own;
+  for (int rank = 0; rank < ctx->s.world; ++rank) {
+    const int32_t* entry = entries.data() + static_cast<size_t>(rank) * kStatusWords;
+    if (!(entry[kCode] & kFatalCodes)) continue;
+    std::vector<int32_t> settled(entry, entry + kStatusWords);
+    settled[kEpochWord] = own[kEpochWord];
+    return settled;
+  }
+  return own;
+}
+}  // namespace
+
 std::vector<int32_t> host_failure(Context* ctx) {
   const volatile int32_t* words = ctx->host_view->failure;
   std::vector<int32_t> out(kStatusWords);
   for (int i = kStatusWords - 1; i >= 0; --i) out[i] = words[i];  // the code word is written last: read it first
+  if (out[kCode] & kFatalCodes) return settled_protocol_failure(ctx, out);
   return out;
 }
 
