@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import math
 import sys
 import weakref
@@ -122,7 +123,8 @@ class MoEComm:
         extension and ``jax_moe_comm.initialize()``), or "auto" (nvshmem when available, else reference).
       custom_vjp: differentiate the fused ``dispatch``/``combine`` with the rules of ``autodiff.py`` (built from
         the backend's own phases) instead of plain JAX AD. None (default): True on the NVSHMEM backend (its custom
-        calls have no other gradient), False on the reference backend (plain AD through its collectives).
+        calls have no other gradient), False on the reference backend (plain AD through its collectives). With
+        True the split halves refuse a gradient (ValueError), alike on both backends.
       grad_dtype: for float8_e4m3fn payloads only: the dtype (bfloat16, float16 or float32) in which gradients
         travel. Differentiating an fp8 dispatch with the custom VJP needs it: the backward round trip then runs on a
         second buffer set of that dtype (on the NVSHMEM backend: allocated here, ``symmetric_bytes`` counts it), so
@@ -472,6 +474,7 @@ class MoEComm:
         num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens, quantize)
         if topk_weights is not None:
             self._check_weights(topk_weights)
+        x, scales, topk_weights = self._without_gradient("dispatch_send", x, scales, topk_weights)
         return self._phases.impl.dispatch_send(self._phases.plan, x, topk_ids, scales, num_tokens, topk_weights)
 
     def dispatch_recv(self, pending) -> Dispatched:
@@ -511,6 +514,7 @@ class MoEComm:
         (given to dispatch) none are given here or to combine_recv: they count as given here."""
         self._check_combine_args(expert_y, handle)
         self._check_combine_weights(handle, topk_weights, "combine_send")
+        expert_y, topk_weights = self._without_gradient("combine_send", expert_y, topk_weights)
         return self._phases.impl.combine_send(self._phases.plan, expert_y, handle, topk_weights)
 
     def combine_recv(self, pending, topk_weights: Array | None = None) -> Array:
@@ -520,7 +524,18 @@ class MoEComm:
             self._check_weights(topk_weights)
         if (topk_weights is None) == (getattr(pending, "topk_weights", None) is None):
             raise ValueError("topk_weights must be given to exactly one of dispatch, combine_send and combine_recv")
+        (topk_weights,) = self._without_gradient("combine_recv", topk_weights)
         return self._phases.impl.combine_recv(self._phases.plan, pending, topk_weights)
+
+    def _without_gradient(self, method: str, *arrays):
+        """`arrays` as they are (None kept); with custom_vjp, each one's derivative raises a ValueError naming
+        `method`: the gradient rules are the fused calls' (the NVSHMEM kernels have no other), so a split half
+        refuses a gradient alike on both backends. Without custom_vjp (the reference backend's plain AD) JAX
+        differentiates the split halves."""
+        if not self.custom_vjp:
+            return arrays
+        refuse = _refusing_derivative(method)
+        return tuple(None if a is None else refuse(a) for a in arrays)
 
     def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None) -> Array:
         """``combine_recv(combine_send(expert_y, handle), topk_weights)``. Differentiable (see custom_vjp).
@@ -532,6 +547,23 @@ class MoEComm:
         if self.custom_vjp:
             return self._combine_vjp(expert_y, handle, topk_weights)
         return self._phases.combine(expert_y, handle, topk_weights)
+
+
+@functools.cache
+def _refusing_derivative(method: str):
+    """The identity, whose derivative (taken only where a tangent flows) raises a ValueError naming `method`."""
+
+    @jax.custom_jvp
+    def identity(a):
+        return a
+
+    @identity.defjvp
+    def _refuse(primals, tangents):
+        raise ValueError(f"{method} has no gradient with custom_vjp=True (the NVSHMEM backend's default): "
+                         "differentiate comm.dispatch and comm.combine (the fused calls), or put the split halves "
+                         "under jax.lax.stop_gradient")
+
+    return identity
 
 
 # Global view --------------------------------------------------------------------------------------------
