@@ -95,19 +95,22 @@ NB_MODULE(_nvshmem_ext, m) {
   m.def("describe_failure", &jmc::describe_failure, "A failure's text, as the check handler raises it.");
   m.def("create_context", [](const std::map<std::string, int64_t>& sizes,
                              const std::map<std::string, std::pair<size_t, size_t>>& layout,
-                             const std::vector<int32_t>& pe_of_rank, bool staged, int ids_first_min_tokens) {
+                             const std::vector<int32_t>& pe_of_rank, bool staged, int ids_first_min_tokens,
+                             const std::vector<int32_t>& node_of_rank) {
     std::string error;
     jmc::Context* ctx;
     {
       nb::gil_scoped_release released;
-      ctx = jmc::create_context(sizes_from(sizes), layout, pe_of_rank, staged, ids_first_min_tokens, &error);
+      ctx = jmc::create_context(sizes_from(sizes), layout, pe_of_rank, staged, ids_first_min_tokens, node_of_rank,
+                                &error);
     }
     if (ctx == nullptr) throw std::runtime_error("jax_moe_comm: " + error);
     return jmc::register_context(ctx);
   }, nb::arg("sizes"), nb::arg("layout"), nb::arg("pe_of_rank"), nb::arg("staged"), nb::arg("ids_first_min_tokens"),
+        nb::arg("node_of_rank") = std::vector<int32_t>(),
         "Collective: allocate one MoEComm's symmetric buffers (layout: name -> (offset, bytes)) for an EP group "
-        "(pe_of_rank: the NVSHMEM PE of each of its ranks); returns the context's id, the handlers' `context` "
-        "attribute.");
+        "(pe_of_rank: the NVSHMEM PE of each of its ranks; node_of_rank, for tests: ranks on another node than this "
+        "one are reached by puts); returns the context's id, the handlers' `context` attribute.");
   m.def("share_context", [](int64_t owner, const std::map<std::string, int64_t>& sizes,
                             const std::map<std::string, std::pair<size_t, size_t>>& layout, int ids_first_min_tokens) {
     std::string error;
@@ -157,6 +160,12 @@ NB_MODULE(_nvshmem_ext, m) {
         "Bytes of symmetric heap the context allocated on this PE.");
   m.def("context_p2p", [](int64_t id) { return context(id)->p2p; },
         "True when the context stores straight into every peer's buffers (NVLink): combine can pre-reduce.");
+  m.def("context_direct", [](int64_t id) {
+    const jmc::Context* ctx = context(id);
+    std::vector<bool> direct(ctx->s.world);
+    for (int r = 0; r < ctx->s.world; ++r) direct[r] = r < jmc::kMaxNvlinkPeers && ctx->direct[r];
+    return direct;
+  }, "Per rank of the EP group: True where this rank stores into its buffers (NVLink), False where it puts.");
   m.def("context_flagged", [](int64_t id) { return context(id)->flagged; },
         "True when the context's fused calls take the low-latency path (flagged words).");
 #ifdef JMC_MEASUREMENT

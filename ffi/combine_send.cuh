@@ -82,13 +82,22 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
       char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
       warp_copy(staged, row, row_bytes, lane);
       __syncwarp();
-      for (int j = 0; j < s.dp_size; ++j)
+      for (int j = 0; j < s.dp_size; ++j) {
+        const int replica = group * s.dp_size + j;
+        if (is_direct(ctx, replica)) {  // a replica on this node: the row stored, then (fenced) its flag
+          warp_copy(peer_ptr(ctx, dst, replica), row, row_bytes, lane);
+          __threadfence_system();
+          __syncwarp();
+          if (lane == 0) signal_peer(ctx, ctx.combine_flags + slot, landed, replica);
+          continue;
+        }
         nvshmemx_putmem_signal_nbi_warp(dst, staged, row_bytes, ctx.combine_flags + slot, landed, NVSHMEM_SIGNAL_SET,
-                                        pe_of(ctx, group * s.dp_size + j));
+                                        pe_of(ctx, replica));
+      }
     }
   }
   mark(ctx, kCombineSend, kWorked);
-  if (!ctx.p2p) nvshmem_quiet();  // this thread's puts have completed before the phase counts as done
+  if (!ctx.p2p) complete_remote_writes(ctx);  // this thread's puts have completed before the phase counts as done
   if (finish_phase(ctx, kCombineSend, a.status, advance)) mark(ctx, kCombineSend, kEnd, true);
   return true;
 }

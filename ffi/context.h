@@ -177,10 +177,11 @@ struct Context {
                               // shares of the arrivals (histogram_split)
   int32_t* pe_of_rank;        // [world] (device memory) the NVSHMEM PE of each rank of this MoEComm's EP group: the
                               // ranks of a kernel are the group's, the PEs NVSHMEM's (every process of the job)
-  int64_t peer_offset[kMaxNvlinkPeers];  // with p2p: bytes from a local symmetric address to rank r's copy of it
-                                         // as this GPU maps it (peer_ptr; what nvshmem_ptr computes on the device)
-  bool p2p;                   // every peer's symmetric memory is reachable by loads/stores (NVLink): rows are
-                              // written straight into peers' slots instead of staged and put
+  int64_t peer_offset[kMaxNvlinkPeers];  // where direct[r]: bytes from a local symmetric address to rank r's copy of
+                                         // it as this GPU maps it (peer_ptr; what nvshmem_ptr computes on the device)
+  bool direct[kMaxNvlinkPeers];  // rank r's symmetric memory is reachable by loads/stores (NVLink, same node): the
+                                 // staged path stores into it instead of putting (ranks from kMaxNvlinkPeers on: puts)
+  bool p2p;                   // every peer is direct: rows are written straight into peers' slots, nothing staged
   bool flagged;               // the fused calls take the low-latency path (flagged words; dispatch.cu, combine.cu):
                               // the layout has its buffers, NVLink, unwindowed
   bool ids_first;             // the fused dispatch sends every ids row before any row (dispatch.cu): NVLink, one

@@ -31,17 +31,22 @@ __device__ inline T* peer_ptr(const Context& ctx, T* ptr, int r) {
   return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(ptr) + ctx.peer_offset[r]);
 }
 
-// SETs rank r's copy of a signal word. On NVLink (Context::p2p) a volatile store through peer_ptr, as
-// nvshmemx_signal_op does there, without its first step: a load of the peer's heap base from NVSHMEM's device state
-// (a dependent load on a kernel's first pass). The caller fences first, as with nvshmemx_signal_op.
+// Whether rank r is reached by stores through peer_ptr (Context::direct; all of them on the NVLink path).
+__device__ inline bool is_direct(const Context& ctx, int r) {
+  return ctx.p2p || (r < kMaxNvlinkPeers && ctx.direct[r]);
+}
+
+// SETs rank r's copy of a signal word. For a direct peer a volatile store through peer_ptr, as nvshmemx_signal_op
+// does there, without its first step: a load of the peer's heap base from NVSHMEM's device state (a dependent load
+// on a kernel's first pass). The caller fences first (complete_remote_writes), as with nvshmemx_signal_op.
 __device__ inline void signal_peer(const Context& ctx, uint64_t* word, uint64_t value, int r) {
-  if (!ctx.p2p) return nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe_of(ctx, r));
+  if (!is_direct(ctx, r)) return nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe_of(ctx, r));
   *reinterpret_cast<volatile uint64_t*>(peer_ptr(ctx, word, r)) = value;
 }
 
-// Stores n int32 words into rank r's copy of the symmetric `dst` (stores through NVLink, else puts of values).
+// Stores n int32 words into rank r's copy of the symmetric `dst` (stores to a direct peer, else puts of values).
 __device__ inline void put_words(const Context& ctx, int32_t* dst, const int32_t* src, int n, int r) {
-  if (ctx.p2p) {
+  if (is_direct(ctx, r)) {
     volatile int32_t* d = peer_ptr(ctx, dst, r);
     for (int i = 0; i < n; ++i) d[i] = src[i];
   } else {
@@ -50,9 +55,10 @@ __device__ inline void put_words(const Context& ctx, int32_t* dst, const int32_t
   }
 }
 
-// This thread's stores or puts to peers are complete (puts) or ordered before its later stores (NVLink).
+// This thread's stores or puts to peers are complete (puts) or ordered before its later stores (direct peers).
 __device__ inline void complete_remote_writes(const Context& ctx) {
-  if (ctx.p2p) __threadfence_system(); else nvshmem_quiet();
+  __threadfence_system();
+  if (!ctx.p2p) nvshmem_quiet();
 }
 
 // The running round trip's epoch. Every kernel of round trip e reads e: only the end of combine_recv's last block

@@ -33,15 +33,22 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
     const char* staged = ctx.dispatch_staging + static_cast<size_t>(i) * s.token_stride;
     const int dest_of_lane = lane_dest(s, a.topk_ids + static_cast<size_t>(t) * K, lane);
     const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
+    int32_t* ids = ctx.dispatch_ids + slot * K;  // this rank's copies; a direct peer's: peer_ptr
+    char* row = ctx.dispatch_slots + slot * s.token_stride;
     for (int d = 0; d < s.world; ++d) {
+      const bool has_row = __any_sync(0xffffffffu, dest_of_lane == d);
+      if (is_direct(ctx, d)) {  // a peer on this node: stores, as the NVLink path
+        warp_copy(peer_ptr(ctx, ids, d), staged + header_offset(s) + 4, 4 * K, lane);
+        if (has_row) warp_copy(peer_ptr(ctx, row, d), staged, s.token_stride, lane);
+        continue;
+      }
       const int pe = pe_of(ctx, d);
-      nvshmemx_putmem_nbi_warp(ctx.dispatch_ids + slot * K, staged + header_offset(s) + 4, 4 * K, pe);
-      if (__any_sync(0xffffffffu, dest_of_lane == d))
-        nvshmemx_putmem_nbi_warp(ctx.dispatch_slots + slot * s.token_stride, staged, s.token_stride, pe);
+      nvshmemx_putmem_nbi_warp(ids, staged + header_offset(s) + 4, 4 * K, pe);
+      if (has_row) nvshmemx_putmem_nbi_warp(row, staged, s.token_stride, pe);
     }
   }
   mark(ctx, kDispatchSend, kWorked);
-  nvshmem_quiet();  // this thread's puts are complete before the ready signal
+  complete_remote_writes(ctx);  // this thread's stores and puts are complete before the ready signal
   mark(ctx, kDispatchSend, kClosed);
   signal_ready(ctx, a, my_tokens, true);
 }

@@ -175,7 +175,7 @@ bool job_on_nvlink(const std::vector<int32_t>& pe_of_rank, std::string* error) {
 }
 
 Context* create_context(const Sizes& sizes, const Layout& layout, const std::vector<int32_t>& pe_of_rank, bool staged,
-                        int ids_first_min_tokens, std::string* error) {
+                        int ids_first_min_tokens, const std::vector<int32_t>& node_of_rank, std::string* error) {
   // The EP group: `world` distinct PEs of the job, this PE at position `rank`.
   bool group_ok = pe_of_rank.size() == static_cast<size_t>(sizes.world) && sizes.rank >= 0 &&
                   sizes.rank < sizes.world && pe_of_rank[sizes.rank] == nvshmem_my_pe();
@@ -185,6 +185,10 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
              sorted.front() >= 0 && sorted.back() < nvshmem_n_pes();
   if (!group_ok) {
     *error = "the EP group's PEs must be world distinct PEs of the job, this PE at position rank";
+    return nullptr;
+  }
+  if (!node_of_rank.empty() && node_of_rank.size() != static_cast<size_t>(sizes.world)) {
+    *error = "node_of_rank must name a node for each rank of the EP group";
     return nullptr;
   }
   const size_t total = layout_bytes(layout);
@@ -242,13 +246,16 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
     destroy_context(ctx, /*collective=*/false);
     return nullptr;
   }
-  // NVLink: every peer's heap is mapped here, at a fixed offset from ours (so for every buffer of this allocation).
+  // A direct peer's heap is mapped here, at a fixed offset from ours (so for every buffer of this allocation). Every
+  // peer direct: the NVLink path; else the staged path, which stores into the direct ones and puts to the others.
   ctx->p2p = !staged && sizes.world <= kMaxNvlinkPeers;
-  for (int r = 0; r < sizes.world && ctx->p2p; ++r) {
+  for (int r = 0; r < sizes.world && r < kMaxNvlinkPeers && !staged; ++r) {
     const char* peer = static_cast<const char*>(nvshmem_ptr(base, pe_of_rank[r]));
-    ctx->p2p = peer != nullptr;
-    if (ctx->p2p) ctx->peer_offset[r] = peer - base;
+    const bool same_node = node_of_rank.empty() || node_of_rank[r] == node_of_rank[sizes.rank];
+    ctx->direct[r] = peer != nullptr && same_node;
+    if (ctx->direct[r]) ctx->peer_offset[r] = peer - base;
   }
+  for (int r = 0; r < sizes.world && ctx->p2p; ++r) ctx->p2p = ctx->direct[r];
   if (!ctx->p2p && (ctx->dispatch_staging == nullptr || ctx->combine_staging == nullptr)) {
     *error = "the layout has no staging buffers, but this EP group sends through them (staged, or a peer off NVLink)";
     destroy_context(ctx, /*collective=*/false);

@@ -37,10 +37,10 @@ bool job_on_nvlink(const std::vector<int32_t>& pe_of_rank, std::string* error);
 
 // Collective: one MoEComm's symmetric buffers. `staged`: send through symmetric staging and puts even where NVLink
 // stores would reach every peer; `ids_first_min_tokens`: from that max_tokens on (NVLink, one replica per DP group)
-// the fused dispatch sends its ids first (Context::ids_first).
+// the fused dispatch sends its ids first (Context::ids_first). `node_of_rank` (tests; empty: none): a node per rank
+// of the group, the ranks on other nodes than this one reached by puts as if off NVLink (Context::direct).
 Context* create_context(const Sizes& sizes, const Layout& layout, const std::vector<int32_t>& pe_of_rank, bool staged,
-                        int ids_first_min_tokens,
-                        std::string* error);
+                        int ids_first_min_tokens, const std::vector<int32_t>& node_of_rank, std::string* error);
 
 // Not collective: a context of another config (`sizes`: same EP group, routing and token count) on `owner`'s
 // buffers and protocol state, for round trips that run strictly in turn with the owner's (an fp8 layer's backward

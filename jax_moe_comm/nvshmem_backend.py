@@ -10,6 +10,7 @@ row_origin feeds combine_send, whose status feeds combine_recv. A MoEComm's call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -226,6 +227,9 @@ class Plan:
     # The fused calls take the low-latency path (takes_flagged_path): no weights travel with its dispatch.
     flagged: bool = dataclasses.field(default=False, compare=False)
     owner: Plan | None = dataclasses.field(default=None, compare=False)
+    # How this rank reaches each rank of its EP group: "nvlink" (stores into its buffers) or "put" (NVSHMEM puts
+    # from symmetric staging: another node, or staged=True).
+    transports: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.window_slots is not None and not self.p2p:  # the staged path has no rounds (window_slots_for)
@@ -253,6 +257,25 @@ def ep_group(mesh, ep_axes: tuple[str, ...], device) -> tuple[int, list]:
     return devices.index(device), devices
 
 
+# Tests: PEs per simulated node (simulated_nodes), None for none.
+_ranks_per_node: int | None = None
+
+
+@contextlib.contextmanager
+def simulated_nodes(ranks_per_node: int):
+    """Tests: the MoEComms created inside count PEs pe // ranks_per_node as nodes, and reach the PEs of other nodes by
+    NVSHMEM puts as if off NVLink (those of their own node by stores), so that one machine runs the mixed transports
+    of a multi-node job. Every process must enter it alike (the path decides the symmetric layout)."""
+    global _ranks_per_node
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+    before, _ranks_per_node = _ranks_per_node, ranks_per_node
+    try:
+        yield
+    finally:
+        _ranks_per_node = before
+
+
 def create_plan(geo: Geometry, mesh, shared_with: tuple[MoECommConfig, ...] = ()) -> Plan:
     """Collective (every process, same order): allocates one MoEComm's symmetric buffers. Each EP group of the mesh
     (one per coordinate of its other axes) exchanges among its own PEs; one symmetric allocation per process.
@@ -274,7 +297,9 @@ def create_plan(geo: Geometry, mesh, shared_with: tuple[MoECommConfig, ...] = ()
     _register_targets()
     ctx, layout, window = create_context(cfg, geo.world, rank, geo.options, pes, shared_with)
     ext = _native.ext
-    return Plan(geo, ctx, bool(ext.context_p2p(ctx)), rank, layout, window, bool(ext.context_flagged(ctx)))
+    transports = tuple("nvlink" if direct else "put" for direct in ext.context_direct(ctx))
+    return Plan(geo, ctx, bool(ext.context_p2p(ctx)), rank, layout, window, bool(ext.context_flagged(ctx)),
+                transports=transports)
 
 
 def share_plan(owner: Plan, geo: Geometry) -> Plan:
@@ -286,7 +311,7 @@ def share_plan(owner: Plan, geo: Geometry) -> Plan:
                          owner.window_slots, geo.options.max_sms)
     ctx = _native.ext.share_context(owner.ctx, sizes, owner.layout, geo.options.ids_first_min_tokens)
     return Plan(geo, ctx, owner.p2p, owner.rank, owner.layout, owner.window_slots,
-                bool(_native.ext.context_flagged(ctx)), owner)
+                bool(_native.ext.context_flagged(ctx)), owner, owner.transports)
 
 
 def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, pe_of_rank: list[int] | None = None,
@@ -296,13 +321,14 @@ def create_context(cfg: MoECommConfig, world: int, rank: int, options: Options, 
     EP group (default: rank r is PE r, the group of every PE). The staging buffers are allocated when some process
     of the job needs them (an allocation has one size on every process)."""
     pes = list(range(world)) if pe_of_rank is None else list(pe_of_rank)
-    staging = options.staged or not _native.ext.job_on_nvlink(pes)
+    nodes = [] if _ranks_per_node is None else [pe // _ranks_per_node for pe in pes]
+    staging = options.staged or len(set(nodes)) > 1 or not _native.ext.job_on_nvlink(pes)
     window, flagged = window_and_path(cfg, world, options.max_symmetric_bytes, staging, shared_with, None,
                                       options.low_latency_max_tokens)
     sizes = kernel_sizes(cfg, world, rank, _native.ext.sm_count(), options.timeout_s, window, options.max_sms)
     layout = symmetric_layout(cfg, world, _native.measurement_build(), staging, shared_with, window, flagged)
     ctx = _native.ext.create_context(sizes, layout, pes, staged=options.staged,
-                                     ids_first_min_tokens=options.ids_first_min_tokens)
+                                     ids_first_min_tokens=options.ids_first_min_tokens, node_of_rank=nodes)
     return ctx, layout, window
 
 

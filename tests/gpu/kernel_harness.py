@@ -15,6 +15,7 @@ for bit; `--marks` (the measurement build) times the fused kernels, or with --sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import functools
@@ -39,7 +40,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from nvshmem_cases import TOLERANCE, replicate_groups, routing, window_bound  # noqa: E402
 
 import jax_moe_comm as jmc  # noqa: E402
-from jax_moe_comm import _native, errors, runtime  # noqa: E402
+from jax_moe_comm import _native, errors, nvshmem_backend, runtime  # noqa: E402
 from jax_moe_comm.config import Options  # noqa: E402
 from jax_moe_comm.launch import from_process_0, initialize_distributed  # noqa: E402
 from jax_moe_comm.nvshmem_backend import create_context as create_backend_context  # noqa: E402
@@ -807,6 +808,9 @@ def main() -> int:
     parser.add_argument("--low-latency-max-tokens", type=int, default=None,
                         help="with --marks: MoEComm's low_latency_max_tokens (0: never the low-latency path)")
     parser.add_argument("--staged", action="store_true", help="MoEComm's staged=True: staged puts even on NVLink")
+    parser.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
+                        help="simulated nodes of N ranks: peers on other nodes reached by NVSHMEM puts, the others by "
+                             "stores (nvshmem_backend.simulated_nodes)")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="MoEComm's timeout_s of the cases")
     parser.add_argument("--case-limit", type=float, default=280.0, help="seconds before a case that has not "
                         "returned dumps every stack and ends the rank (memcheck slows the kernels down)")
@@ -823,6 +827,9 @@ def main() -> int:
         raise SystemExit("NVSHMEM initialization failed")
     seed = from_process_0("kernel_harness_seed", lambda: args.seed)  # every rank draws the same data
     RUN.update(timeout_s=args.timeout_s, staged=args.staged)
+    nodes = contextlib.ExitStack()  # held to the end of the run
+    if args.ranks_per_node:
+        nodes.enter_context(nvshmem_backend.simulated_nodes(args.ranks_per_node))
     if args.marks:
         if not _native.ext.measurement_build():
             raise SystemExit("--marks needs the measurement build (JAX_MOE_COMM_MEASUREMENT=ON)")
@@ -845,8 +852,9 @@ def main() -> int:
     for i, (name, case) in enumerate(cases.items()):
         if args.only and not any(p in name for p in args.only.split("|")):
             continue
-        if args.staged and name.startswith("windowed"):
-            print(f"SKIP {name}: a windowed round trip runs on NVLink peers only (not with --staged)", flush=True)
+        if (args.staged or args.ranks_per_node) and name.startswith("windowed"):
+            print(f"SKIP {name}: a windowed round trip runs on NVLink peers only (not with --staged or "
+                  "--ranks-per-node)", flush=True)
             continue
         if name in TOO_SLOW_UNDER_SANITIZER and os.environ.get("JMC_UNDER_SANITIZER"):
             print(f"SKIP {name}: too slow under compute-sanitizer ({os.environ['JMC_UNDER_SANITIZER']})", flush=True)

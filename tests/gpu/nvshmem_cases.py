@@ -16,6 +16,7 @@ the checking code issue no XLA collective (results travel through the jax.distri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import re
@@ -30,6 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_moe_comm as jmc
+from jax_moe_comm import nvshmem_backend
 from jax_moe_comm.launch import from_every_process, from_process_0, host_gather, initialize_distributed
 
 COLLECTIVE_OPS = r"\b(?:all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute|ragged-all-to-all)\b"
@@ -241,6 +243,7 @@ def split_halves(comm, x, ids, scales, n, w, weights_at="send", quantize=None):
 OPTIONS: dict = {}  # MoEComm options of every MoEComm the cases make (with_options)
 
 
+RANKS_PER_NODE = 0  # --ranks-per-node: processes per simulated node (0: one node)
 REFERENCE_ON_CPU = False  # --reference-on-cpu: the reference backend's MoEComms on the processes' own CPU devices
 
 
@@ -316,9 +319,27 @@ def windowed(case, slots: int):
     """Every MoEComm of `case` with a max_symmetric_bytes that leaves it a window of `slots` slots per source (an even
     split of its slots, as MoEComm makes windows): its rows travel in rounds (max_tokens / slots of them, rounded
     up)."""
-    if OPTIONS.get("staged"):
-        raise Skip("a windowed round trip runs on NVLink peers only (not with --staged)")
+    if OPTIONS.get("staged") or RANKS_PER_NODE:
+        raise Skip("a windowed round trip runs on NVLink peers only (not with --staged or --ranks-per-node)")
     return with_options(case, f"windowed, {slots} slots a round", window_slots=slots)
+
+
+def case_transports(mesh, seed):
+    """The plan names each peer's transport: "nvlink" (stores) for the peers of this process's node, "put" (NVSHMEM
+    puts) for the others (simulated nodes, --ranks-per-node) and for every peer with staged=True; then a round trip of
+    such a plan, against the reference."""
+    cfg = jmc.MoECommConfig(8, 3, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    comm = make_comm(cfg, mesh, "nvshmem")
+    try:
+        pes = [int(d.process_index) for d in mesh.devices.reshape(-1)]
+        per_node = RANKS_PER_NODE or len(pes)
+        me = jax.process_index() // per_node
+        want = tuple("put" if OPTIONS.get("staged") or pe // per_node != me else "nvlink" for pe in pes)
+        got = comm._phases.plan.transports
+        assert got == want, f"transports {got}, expected {want}"
+    finally:
+        comm.close()
+    return f"{got.count('nvlink')} by stores, {got.count('put')} by puts; " + run_case(mesh, seed, "", cfg)
 
 
 def case_scan_layers(mesh, seed):
@@ -1084,6 +1105,8 @@ def main() -> int:
     parser.add_argument("--only", default="", help="run the cases whose name contains this (alternatives: a|b)")
     parser.add_argument("--skip", default="", help="skip the cases whose name contains this (a|b)")
     parser.add_argument("--staged", action="store_true", help="every MoEComm with staged=True (staged puts)")
+    parser.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
+                        help="simulated nodes of N processes: peers on other nodes reached by NVSHMEM puts")
     parser.add_argument("--bootstrap", default="auto", help="jax_moe_comm.initialize's bootstrap")
     parser.add_argument("--case-limit", type=float, default=180.0,
                         help="seconds after which a case that has not returned dumps every stack and ends the rank")
@@ -1099,8 +1122,12 @@ def main() -> int:
     jmc.initialize(symmetric_size=args.symmetric_size, bootstrap=args.bootstrap)
     if args.staged:
         OPTIONS.update(staged=True)
-    global REFERENCE_ON_CPU
+    global REFERENCE_ON_CPU, RANKS_PER_NODE
     REFERENCE_ON_CPU = args.reference_on_cpu
+    nodes = contextlib.ExitStack()  # held to the end of the run
+    if args.ranks_per_node:
+        RANKS_PER_NODE = args.ranks_per_node
+        nodes.enter_context(nvshmem_backend.simulated_nodes(args.ranks_per_node))
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     world = mesh.shape["ep"]
     seed = from_process_0("cases_seed", lambda: args.seed)  # every rank draws the same data
@@ -1108,6 +1135,7 @@ def main() -> int:
     f32, bf16, f16, fp8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
     cases = [
         ("fp32 K2", lambda s: run_case(mesh, s, "", C(8, 2, 128, 16, dtype=f32, out_dtype=f32))),
+        ("transports: stores within a node, puts across", lambda s: case_transports(mesh, s)),
         ("bf16 K8 E32", lambda s: run_case(mesh, s, "", C(32, 8, 256, 32, dtype=bf16))),
         ("fp16 K4", lambda s: run_case(mesh, s, "", C(16, 4, 128, 24, dtype=f16, out_dtype=f16))),
         ("fp8+scales K8 R1-like", lambda s: run_case(mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128))),

@@ -30,6 +30,9 @@
 #                               each process's CPU devices; SHARED_CASES / SHARED_SKIP: their --only / --skip;
 #                               SHARED_TIMEOUT: seconds for them at each N, default 900). Each case's result line
 #                               reaches summary.txt as it ends, so a call cut short keeps the cases it finished
+#   RANKS_PER_NODE=N            the SHARED_XLA cases and the HARNESS cases on simulated nodes of N processes each
+#                               (--ranks-per-node): peers on other nodes reached by NVSHMEM puts, those of a node by
+#                               stores, in one round trip (the transports of a multi-node job, on one machine)
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
 #                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
@@ -217,6 +220,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=$n"
   step "XLA cases, $n processes on GPU 0 (the reference on CPU)"
   env $shared timeout "${SHARED_TIMEOUT:-900}" python3 -m jax_moe_comm.launch -n $n -- tests/gpu/nvshmem_cases.py \
     --reference-on-cpu --symmetric-size 2G ${SHARED_CASES:+--only "$SHARED_CASES"} \
+    ${RANKS_PER_NODE:+--ranks-per-node "$RANKS_PER_NODE"} \
     ${SHARED_SKIP:+--skip "$SHARED_SKIP"} 2>&1 | results_as_they_come "$LOGS/shared_cases_$n.log"
   rc=${PIPESTATUS[0]}
   step "cases ($n processes on GPU 0) exit code $rc"
@@ -227,7 +231,8 @@ if [ "${HARNESS:-0}" = 1 ]; then  # HARNESS_RANKS="2 4 8": once per world size; 
     if [ "${HARNESS_CASES:-1}" = 1 ]; then
       step "kernel harness cases, $n ranks (no XLA on the GPU)${shared:+, every rank on GPU 0}"
       env $shared NVSHMEM_DISABLE_NCCL=1 timeout 400 python3 -m jax_moe_comm.launch -n $n \
-        -- tests/gpu/kernel_harness.py ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} 2>&1 \
+        -- tests/gpu/kernel_harness.py ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} \
+        ${RANKS_PER_NODE:+--ranks-per-node "$RANKS_PER_NODE"} 2>&1 \
         | results_as_they_come "$LOGS/harness_$n.log"
       rc=${PIPESTATUS[0]}
       step "kernel harness ($n ranks) exit code $rc"
