@@ -21,30 +21,36 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
   const int lane = threadIdx.x % 32;
   const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
 
-  // Pack: one stride per token this replica sends (its header's ids are also the source of the ids rows).
+  // Pack: one stride per token this replica sends, and its ids row into this rank's own slots of dispatch_ids: the
+  // block of every ids row this rank sends, contiguous there and at every peer (the same offset), so that it
+  // travels in one put per peer instead of one per token.
+  int32_t* my_ids = ctx.dispatch_ids + static_cast<size_t>(s.rank) * s.slots_per_source * K;
   for (int i = gwarp; i < my_tokens; i += nwarps) {
     const int t = replica + i * s.dp_size;
     write_token_row(ctx.dispatch_staging + static_cast<size_t>(i) * s.token_stride, s, a, t, lane);
+    if (lane < K) my_ids[static_cast<size_t>(i) * K + lane] = a.topk_ids[static_cast<size_t>(t) * K + lane];
   }
-  cg::this_grid().sync();  // staging complete before any warp puts it
+  cg::this_grid().sync();  // staging and the ids block complete before any warp sends them
 
-  for (int i = gwarp; i < my_tokens; i += nwarps) {
+  const int ids_bytes = 4 * K * my_tokens;
+  for (int d = gwarp; d < s.world && ids_bytes > 0; d += nwarps) {  // the ids block, a warp per peer
+    if (d == s.rank) continue;  // in place
+    if (is_direct(ctx, d))
+      warp_copy(peer_ptr(ctx, my_ids, d), my_ids, ids_bytes, lane);
+    else
+      nvshmemx_putmem_nbi_warp(my_ids, my_ids, ids_bytes, pe_of(ctx, d));
+  }
+  for (int i = gwarp; i < my_tokens; i += nwarps) {  // the rows, each to the ranks of its live experts
     const int t = replica + i * s.dp_size;
     const char* staged = ctx.dispatch_staging + static_cast<size_t>(i) * s.token_stride;
     const int dest_of_lane = lane_dest(s, a.topk_ids + static_cast<size_t>(t) * K, lane);
-    const size_t slot = static_cast<size_t>(s.rank) * s.slots_per_source + i;
-    int32_t* ids = ctx.dispatch_ids + slot * K;  // this rank's copies; a direct peer's: peer_ptr
-    char* row = ctx.dispatch_slots + slot * s.token_stride;
+    char* row = ctx.dispatch_slots + (static_cast<size_t>(s.rank) * s.slots_per_source + i) * s.token_stride;
     for (int d = 0; d < s.world; ++d) {
-      const bool has_row = __any_sync(0xffffffffu, dest_of_lane == d);
-      if (is_direct(ctx, d)) {  // a peer on this node: stores, as the NVLink path
-        warp_copy(peer_ptr(ctx, ids, d), staged + header_offset(s) + 4, 4 * K, lane);
-        if (has_row) warp_copy(peer_ptr(ctx, row, d), staged, s.token_stride, lane);
-        continue;
-      }
-      const int pe = pe_of(ctx, d);
-      nvshmemx_putmem_nbi_warp(ids, staged + header_offset(s) + 4, 4 * K, pe);
-      if (has_row) nvshmemx_putmem_nbi_warp(row, staged, s.token_stride, pe);
+      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;
+      if (is_direct(ctx, d))  // a peer on this node: stores, as the NVLink path
+        warp_copy(peer_ptr(ctx, row, d), staged, s.token_stride, lane);
+      else
+        nvshmemx_putmem_nbi_warp(row, staged, s.token_stride, pe_of(ctx, d));
     }
   }
   mark(ctx, kDispatchSend, kWorked);
