@@ -30,9 +30,10 @@
 #                               each process's CPU devices; SHARED_CASES / SHARED_SKIP: their --only / --skip;
 #                               SHARED_TIMEOUT: seconds for them at each N, default 900). Each case's result line
 #                               reaches summary.txt as it ends, so a call cut short keeps the cases it finished
-#   RANKS_PER_NODE=N            the SHARED_XLA cases and the HARNESS cases on simulated nodes of N processes each
-#                               (--ranks-per-node): peers on other nodes reached by NVSHMEM puts, those of a node by
-#                               stores, in one round trip (the transports of a multi-node job, on one machine)
+#   SIMULATED_NODES=K           the SHARED_XLA cases and the HARNESS cases on K simulated nodes (--ranks-per-node N/K at
+#                               N processes): peers on other nodes reached by NVSHMEM puts, those of a node by stores, in
+#                               one round trip (the transports of a multi-node job, on one machine)
+#   SHARED_DEMO=0               SHARED_XLA without the demo and the decode example (the cases alone)
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
 #                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
@@ -204,23 +205,26 @@ for n in ${SHARED_XLA:-}; do  # N processes on GPU 0: every XLA program of their
   shared="CUDA_VISIBLE_DEVICES=0$(printf ',0%.0s' $(seq 2 $n)) NVSHMEM_DISABLE_NCCL=1 PYTHONFAULTHANDLER=1 \
 XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.5 / $n, 3))") \
 XLA_FLAGS=--xla_force_host_platform_device_count=$n"
+  per_node=${SIMULATED_NODES:+$((n / SIMULATED_NODES))}
   # The demo and the decode example first: a call cut short by its time limit keeps them.
-  step "demo, $n processes on GPU 0"
-  env $shared timeout 150 python3 -m jax_moe_comm.launch -n $n -- python -m jax_moe_comm.demo \
-    > "$LOGS/shared_demo_$n.log" 2>&1
-  rc=$?
-  grep "^\[rank 0\]   " "$LOGS/shared_demo_$n.log" | tee -a "$OUT/summary.txt"
-  step "demo ($n processes on GPU 0) exit code $rc"
-  step "decode example, $n processes on GPU 0: ${DECODE:-}"
-  env $shared timeout 150 python3 -m jax_moe_comm.launch -n $n -- -m jax_moe_comm.examples.decode ${DECODE:-} \
-    > "$LOGS/shared_decode_$n.log" 2>&1
-  rc=$?
-  grep -E "^\[rank 0\] .*(PASS|FAIL|tokens/s|backend)" "$LOGS/shared_decode_$n.log" | tee -a "$OUT/summary.txt"
-  step "decode ($n processes on GPU 0) exit code $rc"
-  step "XLA cases, $n processes on GPU 0 (the reference on CPU)"
+  if [ "${SHARED_DEMO:-1}" = 1 ]; then
+    step "demo, $n processes on GPU 0"
+    env $shared timeout 150 python3 -m jax_moe_comm.launch -n $n -- python -m jax_moe_comm.demo \
+      > "$LOGS/shared_demo_$n.log" 2>&1
+    rc=$?
+    grep "^\[rank 0\]   " "$LOGS/shared_demo_$n.log" | tee -a "$OUT/summary.txt"
+    step "demo ($n processes on GPU 0) exit code $rc"
+    step "decode example, $n processes on GPU 0: ${DECODE:-}"
+    env $shared timeout 150 python3 -m jax_moe_comm.launch -n $n -- -m jax_moe_comm.examples.decode ${DECODE:-} \
+      > "$LOGS/shared_decode_$n.log" 2>&1
+    rc=$?
+    grep -E "^\[rank 0\] .*(PASS|FAIL|tokens/s|backend)" "$LOGS/shared_decode_$n.log" | tee -a "$OUT/summary.txt"
+    step "decode ($n processes on GPU 0) exit code $rc"
+  fi
+  step "XLA cases, $n processes on GPU 0 (the reference on CPU)${per_node:+, simulated nodes of $per_node}"
   env $shared timeout "${SHARED_TIMEOUT:-900}" python3 -m jax_moe_comm.launch -n $n -- tests/gpu/nvshmem_cases.py \
     --reference-on-cpu --symmetric-size 2G ${SHARED_CASES:+--only "$SHARED_CASES"} \
-    ${RANKS_PER_NODE:+--ranks-per-node "$RANKS_PER_NODE"} \
+    ${per_node:+--ranks-per-node "$per_node"} \
     ${SHARED_SKIP:+--skip "$SHARED_SKIP"} 2>&1 | results_as_they_come "$LOGS/shared_cases_$n.log"
   rc=${PIPESTATUS[0]}
   step "cases ($n processes on GPU 0) exit code $rc"
@@ -228,11 +232,13 @@ done
 if [ "${HARNESS:-0}" = 1 ]; then  # HARNESS_RANKS="2 4 8": once per world size; HARNESS_ONLY: its --only
   for n in ${HARNESS_RANKS:-2}; do
     shared=""; [ "${SHARED_GPU:-0}" = 1 ] && shared="CUDA_VISIBLE_DEVICES=0$(printf ',0%.0s' $(seq 2 $n))"
+    per_node=${SIMULATED_NODES:+$((n / SIMULATED_NODES))}
     if [ "${HARNESS_CASES:-1}" = 1 ]; then
-      step "kernel harness cases, $n ranks (no XLA on the GPU)${shared:+, every rank on GPU 0}"
+      step "kernel harness cases, $n ranks (no XLA on the GPU)${shared:+, every rank on GPU 0}${per_node:+, simulated \
+nodes of $per_node}"
       env $shared NVSHMEM_DISABLE_NCCL=1 timeout 400 python3 -m jax_moe_comm.launch -n $n \
         -- tests/gpu/kernel_harness.py ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} \
-        ${RANKS_PER_NODE:+--ranks-per-node "$RANKS_PER_NODE"} 2>&1 \
+        ${per_node:+--ranks-per-node "$per_node"} 2>&1 \
         | results_as_they_come "$LOGS/harness_$n.log"
       rc=${PIPESTATUS[0]}
       step "kernel harness ($n ranks) exit code $rc"
