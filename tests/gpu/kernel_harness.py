@@ -91,8 +91,8 @@ CASES = {
     # end, past capacity: into the memory after expert_x (XLA's next buffers; the guards here).
     "drop: a cut inside a padded run": (C(16, 4, 128, 32, dtype=jnp.bfloat16, align=8, capacity=60, overflow="drop"),
                                         "uniform"),
-    "drop: one row, align 16": (C(4, 1, 2880, 2, dtype=jnp.float16, out_dtype=jnp.float32, align=16, capacity=6,
-                                  overflow="drop"), "uniform", PARTIAL),  # E 4: a multiple of 2 and 4 PEs
+    "drop: one row, align 16": (C(8, 1, 2880, 2, dtype=jnp.float16, out_dtype=jnp.float32, align=16, capacity=6,
+                                  overflow="drop"), "uniform", PARTIAL),  # E 8: a multiple of 2, 4 and 8 PEs
     "drop: one hot expert, quantize B32": (C(8, 2, 2880, 200, dtype=jnp.float8_e4m3fn, scale_block=32, align=4,
                                              capacity=26, overflow="drop"), "one_hot", {**QUANTIZE, **PARTIAL}),
     # dispatch(..., quantize=float8_e4m3fn): bf16 rows quantized as they are sent, against the reference quantizer:
@@ -701,7 +701,8 @@ def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: 
         assert len({o for o in outcomes if o != "skipped"}) == 1, f"the failure changed: {outcomes}"
         if rank != late:
             assert times[0] < 1.5 * FAULT_TIMEOUT_S, f"round trip 1 took {times[0]:.1f}s: more than one timeout"
-        assert max(times[1:]) < 0.5, f"a refused round trip took {max(times[1:]):.1f}s"
+        # Refused at once: well within a timeout (processes time-slicing one GPU take a few hundred ms a call).
+        assert max(times[1:]) < FAULT_TIMEOUT_S / 2, f"a refused round trip took {max(times[1:]):.1f}s"
         held = ext.host_failure(ctx)
         assert held[errors.CODE] == errors.TIMEOUT and errors.describe(held).split(";")[0] in first, \
             f"the host words hold another failure: {errors.describe(held)}"
@@ -852,7 +853,7 @@ def main() -> int:
     for i, (name, case) in enumerate(cases.items()):
         if args.only and not any(p in name for p in args.only.split("|")):
             continue
-        if (args.staged or args.ranks_per_node) and name.startswith("windowed"):
+        if (args.staged or args.ranks_per_node) and "windowed" in name:
             print(f"SKIP {name}: a windowed round trip runs on NVLink peers only (not with --staged or "
                   "--ranks-per-node)", flush=True)
             continue
