@@ -243,7 +243,6 @@ def split_halves(comm, x, ids, scales, n, w, weights_at="send", quantize=None):
 OPTIONS: dict = {}  # MoEComm options of every MoEComm the cases make (with_options)
 
 
-RANKS_PER_NODE = 0  # --ranks-per-node: processes per simulated node (0: one node)
 REFERENCE_ON_CPU = False  # --reference-on-cpu: the reference backend's MoEComms on the processes' own CPU devices
 
 
@@ -319,7 +318,7 @@ def windowed(case, slots: int):
     """Every MoEComm of `case` with a max_symmetric_bytes that leaves it a window of `slots` slots per source (an even
     split of its slots, as MoEComm makes windows): its rows travel in rounds (max_tokens / slots of them, rounded
     up)."""
-    if OPTIONS.get("staged") or RANKS_PER_NODE:
+    if OPTIONS.get("staged") or nvshmem_backend._ranks_per_node:
         raise Skip("a windowed round trip runs on NVLink peers only (not with --staged or --ranks-per-node)")
     return with_options(case, f"windowed, {slots} slots a round", window_slots=slots)
 
@@ -332,7 +331,7 @@ def case_transports(mesh, seed):
     comm = make_comm(cfg, mesh, "nvshmem")
     try:
         pes = [int(d.process_index) for d in mesh.devices.reshape(-1)]
-        per_node = RANKS_PER_NODE or len(pes)
+        per_node = nvshmem_backend._ranks_per_node or len(pes)
         me = jax.process_index() // per_node
         want = tuple("put" if OPTIONS.get("staged") or pe // per_node != me else "nvlink" for pe in pes)
         got = comm._phases.plan.transports
@@ -1122,11 +1121,10 @@ def main() -> int:
     jmc.initialize(symmetric_size=args.symmetric_size, bootstrap=args.bootstrap)
     if args.staged:
         OPTIONS.update(staged=True)
-    global REFERENCE_ON_CPU, RANKS_PER_NODE
+    global REFERENCE_ON_CPU
     REFERENCE_ON_CPU = args.reference_on_cpu
     nodes = contextlib.ExitStack()  # held to the end of the run
     if args.ranks_per_node:
-        RANKS_PER_NODE = args.ranks_per_node
         nodes.enter_context(nvshmem_backend.simulated_nodes(args.ranks_per_node))
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     world = mesh.shape["ep"]
