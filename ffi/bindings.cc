@@ -76,6 +76,7 @@ NB_MODULE(_nvshmem_ext, m) {
   m.def("constants", [] {
     return std::map<std::string, int>{{"status_words", jmc::kStatusWords},
                                       {"max_experts_per_token", jmc::kMaxExpertsPerToken},
+                                      {"max_nvlink_peers", jmc::kMaxNvlinkPeers},
                                       {"fatal_codes", jmc::kFatalCodes}, {"refused", jmc::kRefused},
                                       {"bfloat16", jmc::kBf16}, {"float16", jmc::kF16}, {"float32", jmc::kF32}};
   }, "The kernels' constants: status words, error codes (errors.py checks its own against them) and the RowType "
@@ -171,6 +172,9 @@ NB_MODULE(_nvshmem_ext, m) {
 #ifdef JMC_MEASUREMENT
   m.def("take_kernel_marks", [](int64_t id) { return jmc::take_kernel_marks(context(id)); },
         "[phase * kMarks + mark] globaltimer ns of the last round trip's kernel steps, cleared (measurement builds).");
+  m.def("take_traffic", [](int64_t id) { return jmc::take_traffic(context(id)); },
+        "What this rank sent by NVSHMEM puts since the last call, cleared (measurement builds): [phase][rank] "
+        "{puts, bytes}, then [rank] signals.");
 #endif
   m.def("launch_phase", [](int64_t id, const std::string& phase, const std::map<std::string, int64_t>& args,
                            intptr_t stream) {

@@ -12,11 +12,23 @@ __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
     fill_nan<Out>(ctx, a.out, true);  // refused: no result
 }
 
-// The kernel instantiation for (row dtype in flight, output dtype).
-void* kernel_for(int in_dtype, int out_dtype) {
+// The staged path's pre-reduced rows (Context::p2p false, a.reduced). Dynamic shared memory: sum_staged_partial_rows'.
+template <typename In, typename Out>
+__global__ void combine_recv_staged_kernel(Context ctx, CombineRecvArgs a) {
+  if (begin_phase(ctx, kCombineRecv, a.status))
+    receive_staged_partials<In, Out>(ctx, a);
+  else
+    fill_nan<Out>(ctx, a.out, true);  // refused: no result
+}
+
+// The kernel instantiation for (row dtype in flight, output dtype), of the staged pre-reduced rows or the others.
+void* kernel_for(int in_dtype, int out_dtype, bool staged_partials) {
   return with_row_type(in_dtype, [&](auto in) {
-    return with_row_type(out_dtype, [](auto out) {
-      return reinterpret_cast<void*>(combine_recv_kernel<decltype(in), decltype(out)>);
+    return with_row_type(out_dtype, [&](auto out) {
+      using In = decltype(in);
+      using Out = decltype(out);
+      return staged_partials ? reinterpret_cast<void*>(combine_recv_staged_kernel<In, Out>)
+                             : reinterpret_cast<void*>(combine_recv_kernel<In, Out>);
     });
   });
 }
@@ -28,8 +40,10 @@ cudaError_t launch_combine_recv(const Context& ctx, const CombineRecvArgs& a, cu
   Context c = ctx;
   CombineRecvArgs args = a;
   void* params[] = {&c, &args};
-  return cudaLaunchKernel(kernel_for(a.in_dtype, a.out_dtype), within_budget(ctx.s, combine_recv_blocks(ctx.s)),
-                          kThreads, params, 0, stream);
+  const bool staged_partials = a.reduced && !ctx.p2p;
+  return cudaLaunchKernel(kernel_for(a.in_dtype, a.out_dtype, staged_partials),
+                          within_budget(ctx.s, combine_recv_blocks(ctx.s)), kThreads, params,
+                          staged_partials ? sizeof(int) * ctx.s.dp_size * ctx.s.world : 0, stream);
 }
 
 }  // namespace jmc

@@ -339,6 +339,76 @@ __device__ inline void receive_combined(const Context& ctx, const CombineRecvArg
 }
 
 
+// The staged path's pre-reduced rows (combine_send_reduced_staged) into y, a thread per (token, kChunk columns) as
+// sum_slot_rows: token t's partial rows, one per distinct rank of its live slots, ranks ascending (as
+// sum_partial_rows adds them), each row `route` (the token's, Context::group_routes) of the run of (t's source,
+// that rank). Dynamic shared memory: [dp_size][world] int, where each run of this DP group's sources begins in
+// combine_partials (the group's sources in order, each one's runs by rank, from Context::group_counts: PartialRuns).
+template <typename In, typename Out>
+__device__ inline void sum_staged_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens,
+                                               bool vector) {
+  const Sizes& s = ctx.s;
+  const int K = s.experts_per_token;
+  const int32_t* counts = ctx.group_counts;  // [group source][rank]
+  extern __shared__ int run_first[];
+  for (int item = threadIdx.x; item < s.dp_size * s.world; item += blockDim.x) {
+    const int q = item / s.world, r = item % s.world;
+    int first = 0;
+    for (int q2 = 0; q2 < q; ++q2)
+      for (int r2 = 0; r2 < s.world; ++r2) first += counts[q2 * s.world + r2];
+    for (int r2 = 0; r2 < r; ++r2) first += counts[q * s.world + r2];
+    run_first[item] = first;
+  }
+  __syncthreads();
+  const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk, last_row = s.max_tokens * K - 1;
+  const size_t items = static_cast<size_t>(s.max_tokens) * chunks_per_row;
+  for (size_t item = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; item < items;
+       item += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int t = static_cast<int>(item / chunks_per_row), c0 = static_cast<int>(item % chunks_per_row) * kChunk;
+    const int cols = min(kChunk, s.hidden - c0);
+    float acc[kChunk] = {};
+    if (t < num_tokens) {
+      const int q = t % s.dp_size, i = t / s.dp_size;
+      const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
+      const int32_t* routes = ctx.group_routes + (static_cast<size_t>(q) * s.slots_per_source + i) * K;
+      const unsigned live = live_slots(ids, K, s.num_experts);
+      for (int last = -1;;) {  // the smallest rank above the last one added, until none is left
+        int next = s.world, route = 0;
+        for (unsigned m = live; m; m &= m - 1) {
+          const int k = __ffs(m) - 1, r = ids[k] / s.local_experts;
+          if (r > last && r < next) {
+            next = r;
+            route = routes[k];
+          }
+        }
+        if (next == s.world) break;
+        last = next;
+        // Clamped: a failed round trip's routes never address outside the rows (its y is NaN anyway).
+        const int row = min(max(run_first[q * s.world + next] + route, 0), last_row);
+        add_chunk(acc, 1.f, reinterpret_cast<const In*>(ctx.combine_partials +
+                                                        static_cast<size_t>(row) * s.combine_stride) + c0,
+                  vector, cols);
+      }
+    }
+    store_chunk(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden + c0, acc, vector, cols);
+    mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
+  }
+}
+
+// The staged path's pre-reduced combine_recv (combine_recv.cu): every rank's partial rows, signalled at once by its
+// combine_send, then their sums, then the end of every combine_recv.
+template <typename In, typename Out>
+__device__ inline void receive_staged_partials(const Context& ctx, const CombineRecvArgs& a) {
+  const Sizes& s = ctx.s;
+  const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
+  for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
+    wait_for(ctx, ctx.partials_ready + pe, tagged(current_epoch(ctx), 1), kCombineRecv, pe);
+  __syncthreads();
+  mark(ctx, kCombineRecv, kWaited);
+  sum_staged_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s));
+  end_combine<Out>(ctx, a);
+}
+
 // A thread per (token, kChunk columns).
 inline int combine_recv_blocks(const Sizes& s) {
   return blocks_for(static_cast<long long>(s.max_tokens) * ((s.hidden + kChunk - 1) / kChunk), kThreads,

@@ -13,11 +13,21 @@ __global__ void __launch_bounds__(kThreads, 2)
   combine_send_reduced<In, Partial>(ctx, a, true);
 }
 
-// The pre-reduced kernel's instantiation for (expert_y dtype, partial row dtype).
-void* reduced_kernel_for(int in_dtype, int partial_dtype) {
+// The staged path's (Context::p2p false), as the other.
+template <typename In, typename Partial>
+__global__ void __launch_bounds__(kThreads, 2)
+    combine_send_reduced_staged_kernel(Context ctx, CombineSendArgs a) {
+  combine_send_reduced_staged<In, Partial>(ctx, a);
+}
+
+// The pre-reduced kernel's instantiation for (expert_y dtype, partial row dtype), of the NVLink or the staged path.
+void* reduced_kernel_for(int in_dtype, int partial_dtype, bool p2p) {
   return with_row_type(in_dtype, [&](auto in) {
-    return with_row_type(partial_dtype, [](auto partial) {
-      return reinterpret_cast<void*>(combine_send_reduced_kernel<decltype(in), decltype(partial)>);
+    return with_row_type(partial_dtype, [&](auto partial) {
+      using In = decltype(in);
+      using Partial = decltype(partial);
+      return p2p ? reinterpret_cast<void*>(combine_send_reduced_kernel<In, Partial>)
+                 : reinterpret_cast<void*>(combine_send_reduced_staged_kernel<In, Partial>);
     });
   });
 }
@@ -30,7 +40,8 @@ cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cu
     Context c = ctx;
     CombineSendArgs args = a;
     void* params[] = {&c, &args};
-    return cudaLaunchCooperativeKernel(reduced_kernel_for(a.in_dtype, a.partial_dtype),
+    if (!ctx.p2p && ctx.s.world > kMaxNvlinkPeers) return cudaErrorNotSupported;  // PartialRuns' bound
+    return cudaLaunchCooperativeKernel(reduced_kernel_for(a.in_dtype, a.partial_dtype, ctx.p2p),
                                        within_budget(ctx.s, combine_send_blocks(ctx.s, true)), kThreads, params,
                                        0, stream);
   }

@@ -93,6 +93,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
         }
         nvshmemx_putmem_signal_nbi_warp(dst, staged, row_bytes, ctx.combine_flags + slot, landed, NVSHMEM_SIGNAL_SET,
                                         pe_of(ctx, replica));
+        if (lane == 0) count_put(ctx, kCombineSend, replica, row_bytes);
       }
     }
   }
@@ -194,11 +195,23 @@ __device__ inline void exchange_weights(const Context& ctx, const CombineSendArg
   mark(ctx, kCombineSend, kWaited);
 }
 
+// The staged path's pre-reduced rows (combine_send_reduced_staged): this rank's partial rows for source s's tokens
+// are one run, in the order of the routes s's dispatch gave its tokens here (row route of the run: the token's). On
+// every replica of s's DP group the runs of the group's sources lie one after another in combine_partials, each
+// source's ordered by rank: from partial_first[s] on. Here, in staging, the runs for every source in source order:
+// from stage_first[s] on. Both from the counts every source sent with its dispatch (Context::dispatch_counts).
+struct PartialRuns {
+  int partial_first[kMaxNvlinkPeers];
+  int stage_first[kMaxNvlinkPeers];
+};
+
 // Step 3 of the pre-reduced combine_send (below), for the sources' slots [first_slot, first_slot + slots): all of
 // them, or a round of the windowed combine (combine.cu), whose tokens' partial rows go to their places in the
-// round's window (token t at t - first_slot * dp_size).
-template <typename In, typename Partial>
-__device__ inline void store_partial_rows(const Context& ctx, const CombineSendArgs& a, int first_slot, int slots) {
+// round's window (token t at t - first_slot * dp_size). Staged (combine_send_reduced_staged): into the runs of
+// `runs` instead.
+template <typename In, typename Partial, bool Staged = false>
+__device__ inline void store_partial_rows(const Context& ctx, const CombineSendArgs& a, int first_slot, int slots,
+                                          const PartialRuns* runs = nullptr) {
   // One partial row per arrived token with a live slot here. A warp takes one segment of kSegChunks chunks per lane
   // of the row (lanes interleaved: coalesced), so a token's columns spread over many warps, each lane with the
   // chunks of kExpertRowsInFlight rows in flight together: a warp per token walked the 7168 columns of R1 one load
@@ -238,8 +251,10 @@ __device__ inline void store_partial_rows(const Context& ctx, const CombineSendA
     const bool local_slot = (live >> lane & 1u) && id / L == s.rank;
     if (__ballot_sync(0xffffffffu, local_slot) == 0) continue;  // no live slot here: the source adds no partial
     int row = -1;
+    [[maybe_unused]] int route = 0;  // Staged: the token's row in this rank's run of its source
     float weight = 0.f;
     if (local_slot) {
+      if constexpr (Staged) route = ctx.dispatch_routes[slot * K + lane];
       const int origin = (g * T + t) * K + lane;
       const int r = ctx.row_of[origin];
       weight = ctx.combine_weights[slot * K + lane];
@@ -248,8 +263,13 @@ __device__ inline void store_partial_rows(const Context& ctx, const CombineSendA
       if (r >= 0 && r < s.capacity && a.row_origin[r] == origin) row = r;
     }
     const unsigned with_row = __ballot_sync(0xffffffffu, row >= 0);  // the slots summed, in slot order
-    const int place = partial_place(live, id / L, s.rank);
-    const size_t at = static_cast<size_t>(t - first_slot * s.dp_size) * K + place;  // its place in the window
+    size_t at;
+    if constexpr (Staged) {  // the token's row in this rank's run of its source (one route for all its slots here)
+      route = __shfl_sync(0xffffffffu, route, __ffs(__ballot_sync(0xffffffffu, local_slot)) - 1);
+      at = runs->partial_first[src] + route;
+    } else {  // its place in the window
+      at = static_cast<size_t>(t - first_slot * s.dp_size) * K + partial_place(live, id / L, s.rank);
+    }
     char* dst = ctx.combine_partials + at * s.combine_stride;
     const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
     float acc[kSegChunks][kChunk] = {};
@@ -289,13 +309,82 @@ __device__ inline void store_partial_rows(const Context& ctx, const CombineSendA
               add_chunk(acc[u], weights[b], rows[b] + col_of(u), false, min(kChunk, H - col_of(u)));
       }
     }
-    for (int r = 0; r < s.dp_size; ++r) {
-      Partial* out = reinterpret_cast<Partial*>(peer_ptr(ctx, dst, g * s.dp_size + r));
+    const auto store = [&](char* to) {
+      Partial* out = reinterpret_cast<Partial*>(to);
 #pragma unroll
       for (int u = 0; u < kSegChunks; ++u)
         if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));
+    };
+    bool staged = false;  // Staged: the row is in staging for the replicas off NVLink
+    for (int r = 0; r < s.dp_size; ++r) {
+      const int replica = g * s.dp_size + r;
+      if (!Staged) {
+        store(peer_ptr(ctx, dst, replica));
+      } else if (stores_into(ctx, replica)) {
+        store(store_ptr(ctx, dst, replica));
+      } else if (!staged) {
+        store(ctx.combine_staging + (static_cast<size_t>(runs->stage_first[src]) + route) * s.combine_stride);
+        staged = true;
+      }
     }
   }
+}
+
+// Every block's PartialRuns, a thread per source (world <= kMaxNvlinkPeers: the staged pre-reduced combine's bound).
+__device__ inline void plan_partial_runs(const Context& ctx, PartialRuns* runs) {
+  const Sizes& s = ctx.s;
+  const int32_t* counts = ctx.dispatch_counts;  // [source][rank]
+  for (int src = threadIdx.x; src < s.world; src += blockDim.x) {
+    int first = 0, stage = 0;
+    for (int q = src / s.dp_size * s.dp_size; q < src; ++q)
+      for (int r = 0; r < s.world; ++r) first += counts[q * s.world + r];
+    for (int r = 0; r < s.rank; ++r) first += counts[src * s.world + r];
+    for (int q = 0; q < src; ++q) stage += counts[q * s.world + s.rank];
+    runs->partial_first[src] = first;
+    runs->stage_first[src] = stage;
+  }
+  __syncthreads();
+}
+
+// The staged path's step 1 of the pre-reduced combine_send: this replica's weights into its region of
+// combine_weights here and on each peer of this node (stores), then to each other rank in one put; row_of; our
+// weights_ready on every rank once they are complete; then every source's.
+__device__ inline void exchange_weights_staged(const Context& ctx, const CombineSendArgs& a) {
+  const Sizes& s = ctx.s;
+  const uint32_t epoch = current_epoch(ctx);
+  const int K = s.experts_per_token, T = s.max_tokens, replica = s.rank % s.dp_size;
+  const int lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int gthread = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+  const int publish = arrived_tokens(ctx, s.rank);
+  float* mine = ctx.combine_weights + static_cast<size_t>(s.rank) * s.slots_per_source * K;
+  for (int i = gwarp; i < publish; i += nwarps) {
+    if (lane >= K) continue;
+    const float w = a.topk_weights[static_cast<size_t>(replica + i * s.dp_size) * K + lane];
+    for (int d = 0; d < s.world; ++d)
+      if (stores_into(ctx, d)) store_ptr(ctx, mine, d)[static_cast<size_t>(i) * K + lane] = w;
+  }
+  const int entries = s.num_dp * T * K;
+  for (int p = gthread; p < s.capacity; p += nthreads) {
+    const int origin = a.row_origin[p];
+    if (origin >= 0 && origin < entries) ctx.row_of[origin] = p;
+  }
+  cooperative_groups::this_grid().sync();  // our weights complete here before any warp puts them
+  const size_t bytes = 4ull * K * publish;
+  for (int d = gwarp; d < s.world && bytes > 0; d += nwarps) {
+    if (stores_into(ctx, d)) continue;
+    nvshmemx_putmem_nbi_warp(mine, mine, bytes, pe_of(ctx, d));
+    if (lane == 0) count_put(ctx, kCombineSend, d, bytes);
+  }
+  complete_remote_writes(ctx);  // this thread's stores and puts of the weights are complete
+  cooperative_groups::this_grid().sync();  // and every thread's, before the signal
+  if (blockIdx.x == 0)
+    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
+      signal_peer(ctx, ctx.weights_ready + s.rank, tagged(epoch, 1), pe);
+  for (int src = threadIdx.x; src < s.world; src += blockDim.x)
+    wait_for(ctx, ctx.weights_ready + src, tagged(epoch, 1), kCombineSend, src);
+  __syncthreads();
+  mark(ctx, kCombineSend, kWaited);
 }
 
 // Pre-reduced combine_send (a cooperative launch: every block resident, so blocks may wait for peers' blocks).
@@ -333,6 +422,57 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   return true;
 }
 
+
+// The pre-reduced combine_send of the staged path (Context::p2p false; cooperative): combine_send_reduced's steps,
+// with the weights exchanged by stores within the node and a put per other rank (exchange_weights_staged), and the
+// partial rows in runs (PartialRuns): stored into each replica on this node, staged for the others, then one put
+// per (replica off NVLink, source of its group). Every put is complete before the signals. False when the phase
+// did not run (out of protocol order).
+template <typename In, typename Partial>
+__device__ inline bool combine_send_reduced_staged(const Context& ctx, const CombineSendArgs& a) {
+  const Sizes& s = ctx.s;
+  if (!begin_phase(ctx, kCombineSend, a.status)) return false;
+  const uint32_t epoch = current_epoch(ctx);
+  exchange_weights_staged(ctx, a);
+  __shared__ PartialRuns runs;
+  plan_partial_runs(ctx, &runs);
+  // This DP group's routes and counts, which combine_recv reads after our sync flag lets peers overwrite them.
+  const int first_source = s.rank / s.dp_size * s.dp_size, K = s.experts_per_token;
+  const size_t group_routes = static_cast<size_t>(s.dp_size) * s.slots_per_source * K;
+  const int32_t* routes = ctx.dispatch_routes + static_cast<size_t>(first_source) * s.slots_per_source * K;
+  const int32_t* counts = ctx.dispatch_counts + static_cast<size_t>(first_source) * s.world;
+  const size_t first = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t e = first; e < group_routes; e += stride) ctx.group_routes[e] = routes[e];
+  for (size_t e = first; e < static_cast<size_t>(s.dp_size) * s.world; e += stride) ctx.group_counts[e] = counts[e];
+  store_partial_rows<In, Partial, true>(ctx, a, 0, s.slots_per_source, &runs);
+  cooperative_groups::this_grid().sync();  // staging complete before any warp puts it
+  const int lane = threadIdx.x % 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  for (int item = gwarp; item < s.world * s.dp_size; item += nwarps) {
+    const int replica = item / s.dp_size, src = replica / s.dp_size * s.dp_size + item % s.dp_size;
+    const int rows = ctx.dispatch_counts[src * s.world + s.rank];
+    if (stores_into(ctx, replica) || rows == 0) continue;
+    const size_t bytes = static_cast<size_t>(rows) * s.combine_stride;
+    nvshmemx_putmem_nbi_warp(ctx.combine_partials + static_cast<size_t>(runs.partial_first[src]) * s.combine_stride,
+                             ctx.combine_staging + static_cast<size_t>(runs.stage_first[src]) * s.combine_stride,
+                             bytes, pe_of(ctx, replica));
+    if (lane == 0) count_put(ctx, kCombineSend, replica, bytes);
+  }
+  mark(ctx, kCombineSend, kWorked);
+  complete_remote_writes(ctx);  // this thread's stores and puts are complete before the signals below
+  mark(ctx, kCombineSend, kClosed);
+  int32_t code;
+  if (finish_phase(ctx, kCombineSend, a.status, true, &code)) {
+    if (completed(code)) {
+      for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
+        signal_peer(ctx, ctx.partials_ready + s.rank, tagged(epoch, 1), pe);
+      signal_done_reading(ctx);
+    }
+    mark(ctx, kCombineSend, kEnd, true);
+  }
+  return true;
+}
 
 // Rows per slot: a warp per expert row. Pre-reduced: a warp per (arrived token, column segment), one block per SM
 // at most (cooperative).

@@ -126,21 +126,35 @@ struct HostState {
 struct Context {
   Sizes s;
   // Symmetric (same offsets on every rank).
-  char* dispatch_staging;     // [max_tokens] token strides, this rank's packed tokens (staged path; else null)
+  char* dispatch_staging;     // [max_tokens * min(K, world)] token strides (staged path; else null): the rows this
+                              // rank sends each rank off NVLink, one contiguous run per rank (the source of its put)
   char* dispatch_slots;       // [world][window_slots] token strides: a source's token i (of the round), once per rank
   int32_t* dispatch_ids;      // [world][slots_per_source][K] every token's ids (which slots hold a row, and for
                               // which local experts)
   uint64_t* dispatch_ready;   // [world] tagged(epoch, token count [| kRowsLanded]), SET once its rows and ids landed
-  char* combine_staging;      // [capacity] combine rows, this rank's expert outputs (staged path; else null)
+  // The staged path's packed rows (null on the NVLink path): a source sends each rank the rows of its tokens bound
+  // there as one run at the start of its region of dispatch_slots, in the order it chose, and says where each went.
+  int32_t* dispatch_routes;   // [world][slots_per_source][K] source s's token i, slot k: the row of token i in s's
+                              // region of dispatch_slots on the rank hosting slot k's expert (-1: no live expert)
+  int32_t* dispatch_counts;   // [world][world] rows source s sent each rank
+  int32_t* dest_rows;         // [world] local: the running staged dispatch_send's rows for each rank (zero between
+                              // calls: its last pass zeroes them)
+  int32_t* group_routes;      // [dp_size][slots_per_source][K] local: this DP group's sources' dispatch_routes, and
+  int32_t* group_counts;      // [dp_size][world] their dispatch_counts, copied by the staged pre-reduced
+                              // combine_send before it lets peers write those buffers again (combine_recv reads
+                              // them after)
+  char* combine_staging;      // [max(capacity, world * slots_per_source)] combine rows (staged path; else null): this
+                              // rank's expert outputs per slot, or its pre-reduced rows in runs (PartialRuns)
   char* combine_slots;        // [window tokens][K] combine rows arriving here (the bytes of combine_partials: a
                               // combine uses one layout or the other); window tokens: max_tokens, or a round's
   uint64_t* combine_flags;    // [max_tokens][K] tagged(epoch, kSlotLanded | kSlotDropped), SET after the slot's row
   uint64_t* sync_flags;       // [world] tagged(epoch, 1): that peer finished reading its dispatch buffers
-  // The pre-reduced combine (weights given to combine_send; NVLink path): one row per (token, expert rank).
+  // The pre-reduced combine (weights given to combine_send): one row per (token, expert rank).
   float* combine_weights;     // [world][slots_per_source][K] a source's topk weights of its token i
   uint64_t* weights_ready;    // [world] tagged(epoch, 1) once that source's weights landed here
   char* combine_partials;     // [window tokens][K] combine rows: at [t][j] the weighted sum of token t's rows on
-                              // the j-th (ascending) distinct rank of its live slots (t counted from the round's first)
+                              // the j-th (ascending) distinct rank of its live slots (t counted from the round's
+                              // first); on the staged path the runs of PartialRuns instead
   uint64_t* partials_ready;   // [world] tagged(epoch, round + 1) once every partial row (of that round) from that
                               // rank landed here
   // Windowed round trips (Sizes::window_slots below slots_per_source; NVLink, fused calls): rows go in rounds.
@@ -171,6 +185,8 @@ struct Context {
   HostState* host_state;
 #ifdef JMC_MEASUREMENT
   uint64_t* marks;            // [4 phases][kMarks] (device memory), or null: no stamps
+  uint64_t* traffic;          // [traffic_words(world)] (device memory), or null: what this rank sent peers by NVSHMEM
+                              // (not by stores) since take_traffic: [phase][rank] {puts, bytes}, then [rank] signals
 #endif
   int32_t* block_counts;      // [L * num_dp][kMaxBlocksPerSm * sm_count] (device memory, not symmetric; with
                               // ids_first or windowed, else null): rows of each (local expert, group) in each block's
@@ -192,6 +208,10 @@ struct Context {
   Context* owner;             // share_context: the context whose buffers, words and host state these are; else null
   const Context* on_device;   // this struct's copy in device memory, for the kernels' failure paths (JMC_COLD)
 };
+
+#ifdef JMC_MEASUREMENT
+inline JMC_HOST_DEVICE size_t traffic_words(int world) { return static_cast<size_t>(kPhases * 2 + 1) * world; }
+#endif
 
 // Rounds of a windowed round trip (1 when not windowed): each moves window_slots slots per source, the tokens
 // [round * window_tokens, (round + 1) * window_tokens) of every DP group.

@@ -36,11 +36,39 @@ __device__ inline bool is_direct(const Context& ctx, int r) {
   return ctx.p2p || (r < kMaxNvlinkPeers && ctx.direct[r]);
 }
 
+// Whether this rank writes rank r's buffers by stores: its own (also with staged=True, where no rank is direct), or
+// a direct peer's.
+__device__ inline bool stores_into(const Context& ctx, int r) { return r == ctx.s.rank || is_direct(ctx, r); }
+
+// Where this rank stores into rank r's copy of `ptr` (stores_into): its own address for itself (its rank may be past
+// kMaxNvlinkPeers), else peer_ptr.
+template <typename T>
+__device__ inline T* store_ptr(const Context& ctx, T* ptr, int r) {
+  return r == ctx.s.rank ? ptr : peer_ptr(ctx, ptr, r);
+}
+
+// Measurement builds: one put of `bytes` to rank r in `phase`, counted by one thread of the warp that issues it
+// (take_traffic). Nothing in the product.
+__device__ inline void count_put(const Context& ctx, Phase phase, int r, size_t bytes) {
+#ifdef JMC_MEASUREMENT
+  if (ctx.traffic == nullptr) return;
+  auto* words = reinterpret_cast<unsigned long long*>(ctx.traffic) + (static_cast<size_t>(phase) * ctx.s.world + r) * 2;
+  atomicAdd(words, 1ull);
+  atomicAdd(words + 1, static_cast<unsigned long long>(bytes));
+#endif
+}
+
 // SETs rank r's copy of a signal word. For a direct peer a volatile store through peer_ptr, as nvshmemx_signal_op
 // does there, without its first step: a load of the peer's heap base from NVSHMEM's device state (a dependent load
 // on a kernel's first pass). The caller fences first (complete_remote_writes), as with nvshmemx_signal_op.
 __device__ inline void signal_peer(const Context& ctx, uint64_t* word, uint64_t value, int r) {
-  if (!is_direct(ctx, r)) return nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe_of(ctx, r));
+  if (!is_direct(ctx, r)) {
+#ifdef JMC_MEASUREMENT
+    if (ctx.traffic != nullptr)
+      atomicAdd(reinterpret_cast<unsigned long long*>(ctx.traffic) + kPhases * 2 * ctx.s.world + r, 1ull);
+#endif
+    return nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe_of(ctx, r));
+  }
   *reinterpret_cast<volatile uint64_t*>(peer_ptr(ctx, word, r)) = value;
 }
 

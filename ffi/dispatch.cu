@@ -36,7 +36,7 @@ struct FromX {
     return static_cast<const char*>(a.x) + static_cast<size_t>(t) * s.payload_bytes;
   }
   __device__ const void* scales(int, int t) const { return a.scales + static_cast<size_t>(t) * s.scale_cols; }
-  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int lane) const {
+  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int /*k*/, int lane) const {
     warp_copy_pair(payload_to, payload(g, t), s.payload_bytes, scales_to, scales(g, t), 4 * s.scale_cols, lane);
   }
 };

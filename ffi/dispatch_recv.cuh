@@ -334,18 +334,24 @@ JMC_COLD void drop_slot(const Context& ctx, int g, int t, int k) {
 }
 
 // Where token t of DP group g's row (payload, scales) is read from: the slot it arrived in, in its source's window
-// (its slots from `slot_base` on: a round of the windowed dispatch; else all of them).
+// (its slots from `slot_base` on: a round of the windowed dispatch; else all of them), or on the staged path
+// (`routes`: Context::dispatch_routes) the row its source packed it into for this rank, which its slot k names.
 struct FromSlots {
   const Context& ctx;
   int slot_base = 0;
-  __device__ const char* payload(int g, int t) const {
-    const Arrival src = arrival_of(ctx.s, g, t);
-    const size_t slot = static_cast<size_t>(src.src) * ctx.s.window_slots + (src.slot - slot_base);
-    return ctx.dispatch_slots + slot * ctx.s.token_stride;
+  const int32_t* routes = nullptr;
+  __device__ const char* payload(int g, int t, int k) const {
+    const Sizes& s = ctx.s;
+    const Arrival src = arrival_of(s, g, t);
+    int at = src.slot - slot_base;
+    if (routes != nullptr)  // clamped: a row of a failed round trip is never read out of bounds
+      at = min(max(routes[(static_cast<size_t>(src.src) * s.slots_per_source + src.slot) * s.experts_per_token + k], 0),
+               s.window_slots - 1);
+    return ctx.dispatch_slots + (static_cast<size_t>(src.src) * s.window_slots + at) * s.token_stride;
   }
-  __device__ const void* scales(int g, int t) const { return payload(g, t) + scales_offset(ctx.s); }
-  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int lane) const {
-    warp_copy_pair(payload_to, payload(g, t), ctx.s.payload_bytes, scales_to, scales(g, t), 4 * ctx.s.scale_cols,
+  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int k, int lane) const {
+    const char* row = payload(g, t, k);
+    warp_copy_pair(payload_to, row, ctx.s.payload_bytes, scales_to, row + scales_offset(ctx.s), 4 * ctx.s.scale_cols,
                    lane);
   }
 };
@@ -354,7 +360,7 @@ struct FromSlots {
 // arrived in, each polled until it holds this round trip's data.
 struct FromFlagged {
   const Context& ctx;
-  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int lane) const {
+  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int /*k*/, int lane) const {
     const Sizes& s = ctx.s;
     const Arrival src = arrival_of(s, g, t);
     const uint64_t* row =
@@ -445,7 +451,7 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
         continue;
       }
       from.copy(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes,
-                a.expert_scales + static_cast<size_t>(p) * s.scale_cols, g, t, lane);
+                a.expert_scales + static_cast<size_t>(p) * s.scale_cols, g, t, k, lane);
       if (lane == 0) a.row_origin[p] = (g * s.max_tokens + t) * K + k;
     }
     __syncthreads();  // every warp has read `before` and the bits: the next batch counts on
@@ -512,7 +518,7 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
   mark(ctx, kDispatchRecv, kStep1);  // histogram done
   derive_layout(ctx, a, r);
   mark(ctx, kDispatchRecv, kStep2);  // layout derived (scans done)
-  copy_share(ctx, a, r, sh, FromSlots{ctx});
+  copy_share(ctx, a, r, sh, FromSlots{ctx, 0, ctx.p2p ? nullptr : ctx.dispatch_routes});
   mark(ctx, kDispatchRecv, kWorked);
   finish_receive(ctx, a, r);
 }

@@ -13,45 +13,110 @@ __global__ void dispatch_send_p2p_kernel(Context ctx, DispatchSendArgs a) {
   dispatch_send_p2p<Quantize>(ctx, a, true);
 }
 
+// The distinct ranks of a token's live slots, one at a time: f(d, same), `same` the lanes whose slot is on rank d
+// (every lane of the warp calls f alike; `dest` is this lane's slot's rank or -1: lane_dest).
+template <typename F>
+__device__ inline void for_each_dest(int dest, F&& f) {
+  for (unsigned todo = __ballot_sync(0xffffffffu, dest >= 0); todo;) {
+    const int d = __shfl_sync(0xffffffffu, dest, __ffs(todo) - 1);
+    const unsigned same = __ballot_sync(0xffffffffu, dest == d);
+    todo &= ~same;
+    f(d, same);
+  }
+}
+
+// Each rank gets the rows bound for it as one run at the start of this source's region of its dispatch_slots, in
+// the order the warps reach them (an atomic per (token, rank): the order carries no meaning, the routes say where
+// each row went). Peers on this node get their rows by stores as they are numbered; the rows for each other rank are
+// packed into one run of staging, so that the ids, the routes, the counts and the rows travel in four puts per rank
+// whatever the token count. Dynamic shared memory: [world] int, each rank's first row in staging.
 __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
   int my_tokens;
   if (!begin_send(ctx, a, &my_tokens)) return;
   const Sizes& s = ctx.s;
-  const int K = s.experts_per_token, replica = s.rank % s.dp_size;
+  const int K = s.experts_per_token, replica = s.rank % s.dp_size, slots = s.slots_per_source;
   const int lane = threadIdx.x % 32;
   const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const size_t region = static_cast<size_t>(s.rank) * slots;  // this source's slots, in every rank's buffers
+  int32_t* my_ids = ctx.dispatch_ids + region * K;
+  int32_t* my_routes = ctx.dispatch_routes + region * K;
+  int32_t* my_counts = ctx.dispatch_counts + static_cast<size_t>(s.rank) * s.world;
+  extern __shared__ int staged_first[];  // [world]
 
-  // Pack: one stride per token this replica sends, and its ids row into this rank's own slots of dispatch_ids: the
-  // block of every ids row this rank sends, contiguous there and at every peer (the same offset), so that it
-  // travels in one put per peer instead of one per token.
-  int32_t* my_ids = ctx.dispatch_ids + static_cast<size_t>(s.rank) * s.slots_per_source * K;
+  // 1. Every token's ids and its row's number at each of its ranks (the route of each of its slots); rows for the
+  //    peers of this node stored there at once.
   for (int i = gwarp; i < my_tokens; i += nwarps) {
     const int t = replica + i * s.dp_size;
-    write_token_row(ctx.dispatch_staging + static_cast<size_t>(i) * s.token_stride, s, a, t, lane);
-    if (lane < K) my_ids[static_cast<size_t>(i) * K + lane] = a.topk_ids[static_cast<size_t>(t) * K + lane];
+    const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
+    if (lane < K) my_ids[static_cast<size_t>(i) * K + lane] = ids[lane];
+    const int dest = lane_dest(s, ids, lane);
+    int route = -1;
+    for_each_dest(dest, [&](int d, unsigned same) {
+      int row = 0;
+      if (lane == 0) row = atomicAdd(ctx.dest_rows + d, 1);
+      row = __shfl_sync(0xffffffffu, row, 0);
+      if (same >> lane & 1u) route = row;
+      if (stores_into(ctx, d))  // this rank or a peer on this node: stores, as the NVLink path
+        write_token_row(store_ptr(ctx, ctx.dispatch_slots + (region + row) * s.token_stride, d), s, a, t, lane);
+    });
+    if (lane < K) my_routes[static_cast<size_t>(i) * K + lane] = route;
   }
-  cg::this_grid().sync();  // staging and the ids block complete before any warp sends them
+  cg::this_grid().sync();  // every row numbered: the counts are final
 
-  const int ids_bytes = 4 * K * my_tokens;
-  for (int d = gwarp; d < s.world && ids_bytes > 0; d += nwarps) {  // the ids block, a warp per peer
-    if (d == s.rank) continue;  // in place
-    if (is_direct(ctx, d))
-      warp_copy(peer_ptr(ctx, my_ids, d), my_ids, ids_bytes, lane);
-    else
-      nvshmemx_putmem_nbi_warp(my_ids, my_ids, ids_bytes, pe_of(ctx, d));
-  }
-  for (int i = gwarp; i < my_tokens; i += nwarps) {  // the rows, each to the ranks of its live experts
-    const int t = replica + i * s.dp_size;
-    const char* staged = ctx.dispatch_staging + static_cast<size_t>(i) * s.token_stride;
-    const int dest_of_lane = lane_dest(s, a.topk_ids + static_cast<size_t>(t) * K, lane);
-    char* row = ctx.dispatch_slots + (static_cast<size_t>(s.rank) * s.slots_per_source + i) * s.token_stride;
+  // 2. Each other node's rank's run in staging (every block: its first rows in shared memory), then its rows.
+  if (threadIdx.x == 0) {
+    int next = 0;
     for (int d = 0; d < s.world; ++d) {
-      if (!__any_sync(0xffffffffu, dest_of_lane == d)) continue;
-      if (is_direct(ctx, d))  // a peer on this node: stores, as the NVLink path
-        warp_copy(peer_ptr(ctx, row, d), staged, s.token_stride, lane);
-      else
-        nvshmemx_putmem_nbi_warp(row, staged, s.token_stride, pe_of(ctx, d));
+      staged_first[d] = next;
+      if (!stores_into(ctx, d)) next += ctx.dest_rows[d];
     }
+  }
+  if (blockIdx.x == 0)
+    for (int d = threadIdx.x; d < s.world; d += blockDim.x) my_counts[d] = ctx.dest_rows[d];
+  __syncthreads();
+  for (int i = gwarp; i < my_tokens; i += nwarps) {
+    const int t = replica + i * s.dp_size;
+    const int dest = lane_dest(s, a.topk_ids + static_cast<size_t>(t) * K, lane);
+    const int route = lane < K ? my_routes[static_cast<size_t>(i) * K + lane] : -1;
+    for_each_dest(dest, [&](int d, unsigned same) {
+      if (stores_into(ctx, d)) return;
+      const int row = __shfl_sync(0xffffffffu, route, __ffs(same) - 1);
+      write_token_row(ctx.dispatch_staging + static_cast<size_t>(staged_first[d] + row) * s.token_stride, s, a, t,
+                      lane);
+    });
+  }
+  cg::this_grid().sync();  // staging, the routes and the counts complete before any warp sends them
+
+  // 3. A warp per rank: the ids, the routes and the counts (the same for every rank), then its run of rows.
+  const int route_bytes = 4 * K * my_tokens, count_bytes = 4 * s.world;
+  for (int d = gwarp; d < s.world; d += nwarps) {
+    const int rows = my_counts[d];
+    if (d != s.rank && is_direct(ctx, d)) {  // its rows are there already
+      warp_copy(peer_ptr(ctx, my_ids, d), my_ids, route_bytes, lane);
+      warp_copy(peer_ptr(ctx, my_routes, d), my_routes, route_bytes, lane);
+      warp_copy(peer_ptr(ctx, my_counts, d), my_counts, count_bytes, lane);
+    } else if (d != s.rank) {
+      const int pe = pe_of(ctx, d);
+      const size_t row_bytes = static_cast<size_t>(rows) * s.token_stride;
+      if (route_bytes > 0) {
+        nvshmemx_putmem_nbi_warp(my_ids, my_ids, route_bytes, pe);
+        nvshmemx_putmem_nbi_warp(my_routes, my_routes, route_bytes, pe);
+      }
+      nvshmemx_putmem_nbi_warp(my_counts, my_counts, count_bytes, pe);
+      if (rows > 0)
+        nvshmemx_putmem_nbi_warp(ctx.dispatch_slots + region * s.token_stride,
+                                 ctx.dispatch_staging + static_cast<size_t>(staged_first[d]) * s.token_stride,
+                                 row_bytes, pe);
+      if (lane == 0) {
+        if (route_bytes > 0) {
+          count_put(ctx, kDispatchSend, d, route_bytes);
+          count_put(ctx, kDispatchSend, d, route_bytes);
+        }
+        count_put(ctx, kDispatchSend, d, count_bytes);
+        if (rows > 0) count_put(ctx, kDispatchSend, d, row_bytes);
+      }
+    }
+    if (lane == 0) ctx.dest_rows[d] = 0;  // for the next call (every read of it was before the barrier)
   }
   mark(ctx, kDispatchSend, kWorked);
   complete_remote_writes(ctx);  // this thread's stores and puts are complete before the ready signal
@@ -73,7 +138,8 @@ cudaError_t launch_dispatch_send(const Context& ctx, const DispatchSendArgs& a, 
                             blocks_for_tokens, kThreads, params, 0, stream);
   // Cooperative (grid.sync), so at most one block per SM.
   return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(dispatch_send_staged_kernel),
-                                     std::min(blocks_for_tokens, ctx.s.sm_count), kThreads, params, 0, stream);
+                                     std::min(blocks_for_tokens, ctx.s.sm_count), kThreads, params,
+                                     sizeof(int) * ctx.s.world, stream);
 }
 
 }  // namespace jmc

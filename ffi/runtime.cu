@@ -210,6 +210,11 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
   ctx->dispatch_slots = region<char>(base, layout, "dispatch_slots", &missing);
   ctx->dispatch_ids = region<int32_t>(base, layout, "dispatch_ids", &missing);
   ctx->dispatch_ready = region<uint64_t>(base, layout, "dispatch_ready", &missing);
+  ctx->dispatch_routes = optional_region<int32_t>(base, layout, "dispatch_routes");
+  ctx->dispatch_counts = optional_region<int32_t>(base, layout, "dispatch_counts");
+  ctx->dest_rows = optional_region<int32_t>(base, layout, "dest_rows");
+  ctx->group_routes = optional_region<int32_t>(base, layout, "group_routes");
+  ctx->group_counts = optional_region<int32_t>(base, layout, "group_counts");
   ctx->combine_staging = optional_region<char>(base, layout, "combine_staging");
   ctx->combine_slots = region<char>(base, layout, "combine_rows", &missing);
   ctx->combine_flags = region<uint64_t>(base, layout, "combine_flags", &missing);
@@ -256,7 +261,9 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
     if (ctx->direct[r]) ctx->peer_offset[r] = peer - base;
   }
   for (int r = 0; r < sizes.world && ctx->p2p; ++r) ctx->p2p = ctx->direct[r];
-  if (!ctx->p2p && (ctx->dispatch_staging == nullptr || ctx->combine_staging == nullptr)) {
+  if (!ctx->p2p && (ctx->dispatch_staging == nullptr || ctx->combine_staging == nullptr ||
+                    ctx->dispatch_routes == nullptr || ctx->dispatch_counts == nullptr || ctx->dest_rows == nullptr ||
+                    ctx->group_routes == nullptr || ctx->group_counts == nullptr)) {
     *error = "the layout has no staging buffers, but this EP group sends through them (staged, or a peer off NVLink)";
     destroy_context(ctx, /*collective=*/false);
     return nullptr;
@@ -267,6 +274,11 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
   if (cudaMalloc(&ctx->marks, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess ||
       cudaMemset(ctx->marks, 0, kPhases * kMarks * sizeof(uint64_t)) != cudaSuccess) {
     ctx->marks = nullptr;  // no stamps: take_kernel_marks says so
+  }
+  const size_t traffic_bytes = traffic_words(sizes.world) * sizeof(uint64_t);
+  if (cudaMalloc(&ctx->traffic, traffic_bytes) != cudaSuccess ||
+      cudaMemset(ctx->traffic, 0, traffic_bytes) != cudaSuccess) {
+    ctx->traffic = nullptr;  // no counts: take_traffic says so
   }
 #endif
   *error = zero_context(ctx);
@@ -296,9 +308,12 @@ Context* share_context(Context* owner, const Sizes& sizes, const Layout& layout,
       region_bytes(layout, "dispatch_slots") >= window * sizes.token_stride &&
       region_bytes(layout, "combine_rows") >= combine_tokens * sizes.experts_per_token * sizes.combine_stride &&
       (owner->dispatch_staging == nullptr ||
-       region_bytes(layout, "dispatch_staging") >= static_cast<size_t>(sizes.max_tokens) * sizes.token_stride) &&
+       region_bytes(layout, "dispatch_staging") >= static_cast<size_t>(sizes.max_tokens) *
+                                                       std::min(sizes.experts_per_token, sizes.world) *
+                                                       sizes.token_stride) &&
       (owner->combine_staging == nullptr ||
-       region_bytes(layout, "combine_staging") >= static_cast<size_t>(sizes.capacity) * sizes.combine_stride);
+       region_bytes(layout, "combine_staging") >=
+           static_cast<size_t>(std::max(sizes.capacity, sizes.world * sizes.slots_per_source)) * sizes.combine_stride);
   if (!fits) {
     *error = "the owner's buffers are too small for the shared context's config";
     return nullptr;
@@ -310,6 +325,7 @@ Context* share_context(Context* owner, const Sizes& sizes, const Layout& layout,
   ctx->on_device = nullptr;
 #ifdef JMC_MEASUREMENT
   ctx->marks = nullptr;  // the owner's stamps only
+  ctx->traffic = nullptr;  // and the owner's counts
 #endif
   ctx->flagged = owner->flagged && takes_flagged_path(*ctx, layout);
   choose_dispatch_order(ctx, ids_first_min_tokens);
@@ -444,6 +460,16 @@ std::vector<uint64_t> take_kernel_marks(Context* ctx) {
     return {};
   return marks;
 }
+
+std::vector<uint64_t> take_traffic(Context* ctx) {
+  std::vector<uint64_t> words(traffic_words(ctx->s.world), 0);
+  if (ctx->traffic == nullptr) return {};
+  const size_t bytes = words.size() * sizeof(uint64_t);
+  if (cudaMemcpy(words.data(), ctx->traffic, bytes, cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemset(ctx->traffic, 0, bytes) != cudaSuccess)
+    return {};
+  return words;
+}
 #endif
 
 namespace {
@@ -481,6 +507,7 @@ void destroy_context(Context* ctx, bool collective) {
   }
 #ifdef JMC_MEASUREMENT
   if (ctx->marks != nullptr) cudaFree(ctx->marks);
+  if (ctx->traffic != nullptr) cudaFree(ctx->traffic);
 #endif
   if (ctx->block_counts != nullptr) cudaFree(ctx->block_counts);
   if (ctx->local != nullptr) cudaFree(ctx->local);

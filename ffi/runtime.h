@@ -82,6 +82,9 @@ std::string describe_failure(const std::vector<int32_t>& words);
 // The kernel marks of the context's last round trip ([phase][Mark] globaltimer ns, 0 = not stamped), cleared.
 // Synchronous (a device-to-host copy). Measurement builds only (JAX_MOE_COMM_MEASUREMENT).
 std::vector<uint64_t> take_kernel_marks(Context* ctx);
+// What the context sent by NVSHMEM since the last call (traffic_words: [phase][rank] {puts, bytes}, then [rank]
+// signals), cleared. Synchronous; measurement builds only.
+std::vector<uint64_t> take_traffic(Context* ctx);
 #endif
 int sm_count();
 

@@ -103,11 +103,19 @@ def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bo
     words = _round16(world * 8)  # one u64 per rank
     status = 4 * errors.STATUS_WORDS
     return [
-        *([("dispatch_staging", T * s["token_stride"])] if staging else []),
+        # Staged: every token's row once per rank off NVLink it is bound for (one run per rank, puts' source).
+        *([("dispatch_staging", T * min(K, world) * s["token_stride"])] if staging else []),
         ("dispatch_slots", window * s["token_stride"]),
         ("dispatch_ids", slots * K * 4),
         ("dispatch_ready", words),
-        *([("combine_staging", s["capacity"] * s["combine_stride"])] if staging else []),
+        *([("dispatch_routes", slots * K * 4),  # staged: where each token's row went on each of its ranks
+           ("dispatch_counts", world * world * 4),  # staged: rows each source sent each rank
+           ("dest_rows", world * 4),  # local: the staged send's running rows per rank
+           ("group_routes", cfg.dp_size * s["slots_per_source"] * K * 4),  # local: the DP group's routes and
+           ("group_counts", cfg.dp_size * world * 4)] if staging else []),  # counts, for the staged combine_recv
+        # Staged: this rank's expert rows per slot (capacity), or its pre-reduced rows: one per (source, token) with
+        # a live slot here, at most every source's every token.
+        *([("combine_staging", max(s["capacity"], slots) * s["combine_stride"])] if staging else []),
         # A combine sends rows per slot ([T][K]) or pre-reduced rows, one per distinct expert rank of a token (at
         # most K: [T][K] too), never both: the two layouts share these bytes. Windowed: a round's tokens.
         ("combine_rows", window_tokens * K * s["combine_stride"]),
@@ -494,12 +502,19 @@ def dispatch(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_to
     return _dispatched(plan, received, topk_ids, num_tokens, topk_weights, send_status, status)
 
 
+def prereduces(plan: Plan) -> bool:
+    """Whether combine_send can pre-reduce (given the weights): on the NVLink path, and on the staged path up to the
+    extension's max_nvlink_peers ranks (its runs of partial rows are planned per block for that many sources)."""
+    return plan.p2p or plan.geo.world <= _constants()["max_nvlink_peers"]
+
+
 def combine_send(plan: Plan, expert_y: Array, handle: CombineHandle,
                  topk_weights: Array | None = None) -> PendingCombine:
-    """With topk_weights on the NVLink path the expert side pre-reduces: one row per (token, expert rank), the
+    """With topk_weights (and prereduces) the expert side pre-reduces: one row per (token, expert rank), the
     weighted sum of the token's rows there, in the output dtype (a row of combine_stride bytes), instead of one row
-    per slot. None with weights in the handle: the handle's (given to dispatch, which on the NVLink path stored them
-    on every rank: no exchange here)."""
+    per slot; on the staged path those rows go to each rank off NVLink as one put per source. None with weights in
+    the handle: the handle's (given to dispatch, which on the NVLink path stored them on every rank: no exchange
+    here)."""
     return _combine_send(plan, expert_y, handle, *_weights_of(plan, handle, topk_weights))
 
 
@@ -508,7 +523,7 @@ def _combine_send(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weigh
     """combine_send with its weights resolved (None: rows per slot) and whether the dispatch stored them. On a
     windowed plan nothing runs here: combine_recv runs the fused combine."""
     cfg = plan.geo.cfg
-    reduced = topk_weights is not None and plan.p2p
+    reduced = topk_weights is not None and prereduces(plan)
     partial = cfg.out_dtype
     if plan.windowed:
         status = _varying(jnp.zeros((errors.STATUS_WORDS,), jnp.int32), (expert_y, handle.row_origin),
@@ -546,7 +561,7 @@ def _checked(plan: Plan, y: Array, status: Array) -> Array:
 
 
 def combine(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weights: Array | None, weights_at: str) -> Array:
-    """The fused call, the weights given where ``weights_at`` says ("send": pre-reduced on the NVLink path): one
+    """The fused call, the weights given where ``weights_at`` says ("send": pre-reduced where prereduces): one
     kernel on the NVLink path, else combine_send then combine_recv. None: the handle's weights."""
     topk_weights, sent = _weights_of(plan, handle, topk_weights)
     if not plan.p2p:

@@ -251,12 +251,12 @@ def reference_round_trip(cfg, world, x, ids, w, scales, counts, quantize=False):
 
 def round_trip_buffers(mem, p2p, cfg, sizes, x, ids, w, scales, n, weights_at, quantize=False):
     """This rank's inputs on the device, zeroed outputs (expert_y too), and the four phases' launch_phase arguments
-    with the weights at combine_send (`weights_at` "send": pre-reduced on the NVLink path, as the backend does), at
+    with the weights at combine_send (`weights_at` "send": pre-reduced, as the backend does), at
     combine_recv (rows per slot), or given to dispatch_send ("dispatch", NVLink path: stored with the ids on every
     rank, then pre-reduced with no exchange in combine_send). Returns (phase arguments in phase order, {output name:
     device pointer}); `fused` turns the first into the two fused kernels' arguments. `quantize`: x goes in as bf16
     and dispatch_send quantizes it (no scales)."""
-    reduced = p2p and weights_at in ("send", "dispatch")
+    reduced = weights_at == "send" or (p2p and weights_at == "dispatch")
     T, H = cfg.max_tokens, cfg.hidden
     cap, L = sizes["capacity"], sizes["local_experts"]
     status = [mem.alloc(4 * errors.STATUS_WORDS) for _ in range(4)]
@@ -386,7 +386,7 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
         split_y = {}
         windowed = sizes["window_slots"] < sizes["slots_per_source"]
         for fused in fused_choices(p2p, windowed):
-            for weights_at in (("send", "dispatch", "recv") if p2p else ("recv",)) * repeats:
+            for weights_at in (("send", "dispatch", "recv") if p2p else ("send", "recv")) * repeats:
                 got = kernel_round_trip(ctx, p2p, cfg, sizes, x[rows], ids[rows], w[rows],
                                         None if scales is None else scales[rows], int(counts[rank]), weights_at,
                                         fused, quantize)
@@ -399,7 +399,8 @@ def run_case(rank, world, seed, cfg, kind, repeats=2, options=None, pes=None, qu
                 if weights_at == "dispatch":  # the same weights, the same pre-reduction: the same bits
                     assert np.array_equal(y.view(np.uint8), split_y["send"].view(np.uint8)), \
                         "weights given to dispatch give another combine than weights given to combine_send"
-        combines = "pre-reduced (weights to combine_send, to dispatch) and per slot" if p2p else "per slot"
+        combines = ("pre-reduced (weights to combine_send, to dispatch) and per slot" if p2p
+                    else "pre-reduced (weights to combine_send) and per slot")
         kernels = "four kernels, then the two fused ones (the same bits)" if p2p else "four kernels"
         if _native.ext.context_flagged(ctx):
             kernels += ("; the fused ones per slot on the low-latency path (flagged words), the same bits as the "
@@ -477,7 +478,7 @@ def shared_buffer_set(rank, world, seed, window_slots: int | None = None) -> str
 
         both = [(owner, cfg, sizes), (shared, grad, grad_sizes)]
         kernels = fused_choices(p2p, window is not None)
-        ways = [(w, f) for f in kernels for w in (("send", "recv") if p2p else ("recv",))]
+        ways = [(w, f) for f in kernels for w in ("send", "recv")]
         for i, (weights_at, fused) in enumerate(ways):
             for j, (ctx, c, s) in enumerate(both):
                 trip(ctx, c, s, seed + 2 * i + j, weights_at, fused)
@@ -678,7 +679,7 @@ def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: 
     try:
         p2p = bool(ext.context_p2p(ctx))
         assert bool(ext.context_flagged(ctx)) == (low_latency and p2p), "not the path the case is for"
-        weights_at = "send" if p2p and not low_latency else "recv"
+        weights_at = "recv" if low_latency else "send"
         late = world - 1
         outcomes, times = [], []
         for trip in range(6):
@@ -733,7 +734,7 @@ def fault_overflow(rank, world, seed, window_slots: int | None = None, low_laten
         slowest, texts = 0.0, set()
         assert bool(_native.ext.context_flagged(ctx)) == (low_latency and p2p), "not the path the case is for"
         for fused in fused_choices(p2p, bool(window_slots)):
-            for weights_at in ("recv", "send") if p2p else ("recv",):
+            for weights_at in ("recv", "send"):
                 outcome, took = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, fused)
                 assert f"rows arrived but capacity is {capacity}" in outcome, outcome
                 slowest, texts = max(slowest, took), texts | {outcome}
@@ -745,6 +746,46 @@ def fault_overflow(rank, world, seed, window_slots: int | None = None, low_laten
         return f"{len(texts)} text(s), slowest {slowest * 1e3:.0f} ms: {sorted(texts)[0].split(': ', 1)[1][:80]}"
     finally:
         _native.ext.destroy_context(ctx)
+
+
+def traffic_per_rank(rank, world, seed) -> str:
+    """Staged puts (to every peer with --staged or none given, else to the other simulated nodes' ranks): what one round
+    trip with pre-reduced rows sends each rank it puts to, as the kernels count it (the measurement build's
+    take_traffic), at 16 and 256 tokens per rank. Whatever the token count, the dispatch sends each such rank at most
+    four puts (the ids, the routes, the counts, one run of rows) and the combine two (the weights, one run of partial
+    rows), with the same signals; their bytes grow with the rows. The round trips are correct."""
+    ext = _native.ext
+    staged = {} if RUN["staged"] or nvshmem_backend._ranks_per_node else {"staged": True}
+    seen = {}
+    for tokens in (16, 256):
+        cfg = C(4 * world, 4, 64, tokens, dtype=jnp.float32, out_dtype=jnp.float32)
+        ctx, sizes = create_context(cfg, world, rank, **OTHER_PATH, **staged)
+        try:
+            remote = [d for d, direct in enumerate(ext.context_direct(ctx)) if not direct and d != rank]
+            assert remote and not ext.context_p2p(ctx), "no rank is reached by puts"
+            inputs, ref = draw_case(cfg, world, seed + tokens)
+            ext.take_traffic(ctx)  # from zero
+            outcome, _ = round_trip_outcome(ctx, False, cfg, sizes, rank, inputs, ref, "send", False)
+            assert outcome == "correct", outcome
+            words = np.array(ext.take_traffic(ctx), np.int64)
+            per_phase = words[:len(PHASES) * world * 2].reshape(len(PHASES), world, 2)
+            seen[tokens] = {name: per_phase[i, remote] for i, name in enumerate(PHASES)}
+            seen[tokens]["signals"] = words[len(PHASES) * world * 2:][remote]
+        finally:
+            ext.destroy_context(ctx)
+    few, many = seen[16], seen[256]
+    for phase, most in (("dispatch_send", 4), ("combine_send", 2)):
+        puts = few[phase][:, 0], many[phase][:, 0]
+        assert (puts[0] <= most).all() and (puts[1] <= most).all(), f"{phase} puts per rank: {puts[0]}, {puts[1]}"
+        assert (many[phase][:, 1] > few[phase][:, 1]).all(), f"{phase} bytes: {few[phase][:, 1]}, {many[phase][:, 1]}"
+    for phase in ("dispatch_recv", "combine_recv"):
+        assert not few[phase].any() and not many[phase].any(), f"{phase} put: {few[phase]}, {many[phase]}"
+    assert np.array_equal(few["signals"], many["signals"]), f"signals per rank: {few['signals']}, {many['signals']}"
+    return (f"{len(remote)} ranks by puts; per rank at T=16 / 256: dispatch {few['dispatch_send'][:, 0].max()} / "
+            f"{many['dispatch_send'][:, 0].max()} puts ({few['dispatch_send'][:, 1].max()} / "
+            f"{many['dispatch_send'][:, 1].max()} bytes), combine {few['combine_send'][:, 0].max()} / "
+            f"{many['combine_send'][:, 0].max()} puts ({few['combine_send'][:, 1].max()} / "
+            f"{many['combine_send'][:, 1].max()} bytes), {few['signals'].max()} signals")
 
 
 FAULTS = {
@@ -761,6 +802,7 @@ FAULTS = {
     "shared buffer set: fp8 and bf16 round trips in turn, interleaving refused": shared_buffer_set,
     "windowed shared buffer set: fp8 and bf16 in turn, interleaving refused": lambda r, w, s: shared_buffer_set(
         r, w, s, 4),
+    "traffic: puts per rank off NVLink do not grow with the tokens": traffic_per_rank,
 }
 
 
@@ -856,6 +898,9 @@ def main() -> int:
         if (args.staged or args.ranks_per_node) and "windowed" in name:
             print(f"SKIP {name}: a windowed round trip runs on NVLink peers only (not with --staged or "
                   "--ranks-per-node)", flush=True)
+            continue
+        if name.startswith("traffic") and not _native.ext.measurement_build():
+            print(f"SKIP {name}: the measurement build only (JAX_MOE_COMM_MEASUREMENT=ON)", flush=True)
             continue
         if name in TOO_SLOW_UNDER_SANITIZER and os.environ.get("JMC_UNDER_SANITIZER"):
             print(f"SKIP {name}: too slow under compute-sanitizer ({os.environ['JMC_UNDER_SANITIZER']})", flush=True)
