@@ -334,25 +334,34 @@ JMC_COLD void drop_slot(const Context& ctx, int g, int t, int k) {
 }
 
 // Where token t of DP group g's row (payload, scales) is read from: the slot it arrived in, in its source's window
-// (its slots from `slot_base` on: a round of the windowed dispatch; else all of them), or on the staged path
-// (`routes`: Context::dispatch_routes) the row its source packed it into for this rank, which its slot k names.
+// (its slots from `slot_base` on: a round of the windowed dispatch; else all of them).
 struct FromSlots {
   const Context& ctx;
   int slot_base = 0;
-  const int32_t* routes = nullptr;
-  __device__ const char* payload(int g, int t, int k) const {
+  __device__ const char* payload(int g, int t) const {
+    const Arrival src = arrival_of(ctx.s, g, t);
+    const size_t slot = static_cast<size_t>(src.src) * ctx.s.window_slots + (src.slot - slot_base);
+    return ctx.dispatch_slots + slot * ctx.s.token_stride;
+  }
+  __device__ const void* scales(int g, int t) const { return payload(g, t) + scales_offset(ctx.s); }
+  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int /*k*/, int lane) const {
+    warp_copy_pair(payload_to, payload(g, t), ctx.s.payload_bytes, scales_to, scales(g, t), 4 * ctx.s.scale_cols,
+                   lane);
+  }
+};
+
+// The staged path's rows (dispatch_send_staged_kernel): token t of DP group g's row at the place in its source's
+// region where the source packed it for this rank, which its slot k's route names (Context::dispatch_routes).
+struct FromRoutedSlots {
+  const Context& ctx;
+  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int k, int lane) const {
     const Sizes& s = ctx.s;
     const Arrival src = arrival_of(s, g, t);
-    int at = src.slot - slot_base;
-    if (routes != nullptr)  // clamped: a row of a failed round trip is never read out of bounds
-      at = min(max(routes[(static_cast<size_t>(src.src) * s.slots_per_source + src.slot) * s.experts_per_token + k], 0),
-               s.window_slots - 1);
-    return ctx.dispatch_slots + (static_cast<size_t>(src.src) * s.window_slots + at) * s.token_stride;
-  }
-  __device__ void copy(char* payload_to, float* scales_to, int g, int t, int k, int lane) const {
-    const char* row = payload(g, t, k);
-    warp_copy_pair(payload_to, row, ctx.s.payload_bytes, scales_to, row + scales_offset(ctx.s), 4 * ctx.s.scale_cols,
-                   lane);
+    const size_t slot = static_cast<size_t>(src.src) * s.slots_per_source + src.slot;
+    // Clamped: a route of a failed round trip never addresses outside the source's region.
+    const int at = min(max(ctx.dispatch_routes[slot * s.experts_per_token + k], 0), s.slots_per_source - 1);
+    const char* row = ctx.dispatch_slots + (static_cast<size_t>(src.src) * s.slots_per_source + at) * s.token_stride;
+    warp_copy_pair(payload_to, row, s.payload_bytes, scales_to, row + scales_offset(s), 4 * s.scale_cols, lane);
   }
 };
 
@@ -507,6 +516,7 @@ __device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs
 // (dispatch.cu): every source's rows have landed once its ready word is set. Every block derives the whole layout
 // (a histogram of every arrival), then copies its own share of the arrivals. (histogram_split is for the ids-first
 // order alone: compiled into this kernel, even unused, its code slows the histogram and the copies at small T.)
+template <bool Routed = false>
 __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs& a) {
   extern __shared__ int smem[];
   Receive r = carve_receive(ctx.s, smem);
@@ -518,7 +528,10 @@ __device__ inline void receive_tokens(const Context& ctx, const DispatchRecvArgs
   mark(ctx, kDispatchRecv, kStep1);  // histogram done
   derive_layout(ctx, a, r);
   mark(ctx, kDispatchRecv, kStep2);  // layout derived (scans done)
-  copy_share(ctx, a, r, sh, FromSlots{ctx, 0, ctx.p2p ? nullptr : ctx.dispatch_routes});
+  if constexpr (Routed)
+    copy_share(ctx, a, r, sh, FromRoutedSlots{ctx});
+  else
+    copy_share(ctx, a, r, sh, FromSlots{ctx});
   mark(ctx, kDispatchRecv, kWorked);
   finish_receive(ctx, a, r);
 }

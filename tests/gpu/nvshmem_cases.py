@@ -323,11 +323,12 @@ def windowed(case, slots: int):
     return with_options(case, f"windowed, {slots} slots a round", window_slots=slots)
 
 
-def case_transports(mesh, seed):
+def case_transports(mesh, seed, tokens: int = 16):
     """The plan names each peer's transport: "nvlink" (stores) for the peers of this process's node, "put" (NVSHMEM
     puts) for the others (simulated nodes, --ranks-per-node) and for every peer with staged=True; then a round trip of
-    such a plan, against the reference."""
-    cfg = jmc.MoECommConfig(8, 3, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
+    such a plan, against the reference: rows per slot at 16 tokens, pre-reduced rows from MoEComm's
+    prereduce_min_tokens (64) on."""
+    cfg = jmc.MoECommConfig(8, 3, 64, tokens, dtype=jnp.float32, out_dtype=jnp.float32)
     comm = make_comm(cfg, mesh, "nvshmem")
     try:
         pes = [int(d.process_index) for d in mesh.devices.reshape(-1)]
@@ -336,9 +337,11 @@ def case_transports(mesh, seed):
         want = tuple("put" if OPTIONS.get("staged") or pe // per_node != me else "nvlink" for pe in pes)
         got = comm._phases.plan.transports
         assert got == want, f"transports {got}, expected {want}"
+        combine = comm.combine_weights_at
     finally:
         comm.close()
-    return f"{got.count('nvlink')} by stores, {got.count('put')} by puts; " + run_case(mesh, seed, "", cfg)
+    return (f"{got.count('nvlink')} by stores, {got.count('put')} by puts, weights at combine_{combine}; "
+            + run_case(mesh, seed, "", cfg))
 
 
 def case_scan_layers(mesh, seed):
@@ -1134,6 +1137,7 @@ def main() -> int:
     cases = [
         ("fp32 K2", lambda s: run_case(mesh, s, "", C(8, 2, 128, 16, dtype=f32, out_dtype=f32))),
         ("transports: stores within a node, puts across", lambda s: case_transports(mesh, s)),
+        ("transports: pre-reduced rows in runs", lambda s: case_transports(mesh, s, 128)),
         ("bf16 K8 E32", lambda s: run_case(mesh, s, "", C(32, 8, 256, 32, dtype=bf16))),
         ("fp16 K4", lambda s: run_case(mesh, s, "", C(16, 4, 128, 24, dtype=f16, out_dtype=f16))),
         ("fp8+scales K8 R1-like", lambda s: run_case(mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128))),
