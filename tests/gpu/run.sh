@@ -9,8 +9,9 @@
 #                               model
 #   BENCH="args"                python -m jax_moe_comm.bench through the launcher (one process per GPU); BENCH_JSON=name:
 #                               its record written to $OUT/name (tests/gpu/try_patches.sh: a record per run)
-#   MEASURE=1|0                 build the measurement instruments (kernel marks, floor probes) or not; by default
-#                               when MARKS is set or BENCH/BENCH_SINGLE/TRACE/CASES names a floor probe
+#   MEASURE=1|0                 build the measurement instruments (kernel marks, floor probes, traffic counts) or not;
+#                               by default when MARKS is set, BENCH/BENCH_SINGLE/TRACE/CASES names a floor probe or
+#                               HARNESS_ONLY the traffic case
 #   BOOTSTRAP=auto|nvshmem4py|extension  jax_moe_comm.initialize's bootstrap in the cases
 #   RANKS=1                     the cases, BENCH, TRACE and MARKS on one GPU (world 1: no peer; default 2)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
@@ -89,6 +90,7 @@ step "build"
 # The measurement build (kernel marks, the floor probes) when something here uses it; MEASURE=1/0 to say.
 case "${MARKS:-}${BENCH:-}${BENCH_SINGLE:-}${TRACE:-}${CASES:-}" in *floor*|[0-9]*) measure=1 ;; *) measure=0 ;; esac
 [ -n "${MARKS:-}" ] && measure=1
+case "${HARNESS_ONLY:-}" in *traffic*) measure=1 ;; esac
 measure=${MEASURE:-$measure}
 echo "measurement build: $measure" | tee -a "$OUT/summary.txt"
 timeout 400 cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE="$(command -v python3)" \
