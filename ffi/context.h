@@ -126,8 +126,9 @@ struct HostState {
 struct Context {
   Sizes s;
   // Symmetric (same offsets on every rank).
-  char* dispatch_staging;     // [max_tokens * min(K, world)] token strides (staged path; else null): the rows this
-                              // rank sends each rank off NVLink, one contiguous run per rank (the source of its put)
+  char* dispatch_staging;     // [max_tokens * (min(K, world) + 1)] token strides (staged path; else null): the rows
+                              // this rank sends each rank off NVLink, one contiguous run per rank (the source of its
+                              // put), then [max_tokens] each token's quantized row (dispatch(quantize=...))
   char* dispatch_slots;       // [world][window_slots] token strides: a source's token i (of the round), once per rank
   int32_t* dispatch_ids;      // [world][slots_per_source][K] every token's ids (which slots hold a row, and for
                               // which local experts)

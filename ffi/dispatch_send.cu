@@ -42,6 +42,10 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
   int32_t* my_routes = ctx.dispatch_routes + region * K;
   int32_t* my_counts = ctx.dispatch_counts + static_cast<size_t>(s.rank) * s.world;
   extern __shared__ int staged_first[];  // [world]
+  // With a.quantize each token is quantized once, into its row of staging past the runs (local memory: byte stores),
+  // and copied from there.
+  char* quantized = ctx.dispatch_staging + static_cast<size_t>(s.max_tokens) * min(K, s.world) * s.token_stride;
+  const auto token_row = [&](int i) { return quantized + static_cast<size_t>(i) * s.token_stride; };
 
   // 1. Every token's ids and its row's number at each of its ranks (the route of each of its slots); rows for the
   //    peers of this node stored there at once.
@@ -50,14 +54,22 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
     const int32_t* ids = a.topk_ids + static_cast<size_t>(t) * K;
     if (lane < K) my_ids[static_cast<size_t>(i) * K + lane] = ids[lane];
     const int dest = lane_dest(s, ids, lane);
+    if (a.quantize && __any_sync(0xffffffffu, dest >= 0)) {
+      write_token_row(token_row(i), s, a, t, lane);
+      __syncwarp();  // the row's bytes, stored by every lane, before any lane copies them
+    }
     int route = -1;
     for_each_dest(dest, [&](int d, unsigned same) {
       int row = 0;
       if (lane == 0) row = atomicAdd(ctx.dest_rows + d, 1);
       row = __shfl_sync(0xffffffffu, row, 0);
       if (same >> lane & 1u) route = row;
-      if (stores_into(ctx, d))  // this rank or a peer on this node: stores, as the NVLink path
-        write_token_row(store_ptr(ctx, ctx.dispatch_slots + (region + row) * s.token_stride, d), s, a, t, lane);
+      if (!stores_into(ctx, d)) return;  // this rank or a peer on this node: stores, as the NVLink path
+      char* to = store_ptr(ctx, ctx.dispatch_slots + (region + row) * s.token_stride, d);
+      if (a.quantize)
+        warp_copy(to, token_row(i), s.token_stride, lane);
+      else
+        write_token_row(to, s, a, t, lane);
     });
     if (lane < K) my_routes[static_cast<size_t>(i) * K + lane] = route;
   }
@@ -81,8 +93,11 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
     for_each_dest(dest, [&](int d, unsigned same) {
       if (stores_into(ctx, d)) return;
       const int row = __shfl_sync(0xffffffffu, route, __ffs(same) - 1);
-      write_token_row(ctx.dispatch_staging + static_cast<size_t>(staged_first[d] + row) * s.token_stride, s, a, t,
-                      lane);
+      char* to = ctx.dispatch_staging + static_cast<size_t>(staged_first[d] + row) * s.token_stride;
+      if (a.quantize)
+        warp_copy(to, token_row(i), s.token_stride, lane);
+      else
+        write_token_row(to, s, a, t, lane);
     });
   }
   cg::this_grid().sync();  // staging, the routes and the counts complete before any warp sends them

@@ -309,7 +309,7 @@ Context* share_context(Context* owner, const Sizes& sizes, const Layout& layout,
       region_bytes(layout, "combine_rows") >= combine_tokens * sizes.experts_per_token * sizes.combine_stride &&
       (owner->dispatch_staging == nullptr ||
        region_bytes(layout, "dispatch_staging") >= static_cast<size_t>(sizes.max_tokens) *
-                                                       std::min(sizes.experts_per_token, sizes.world) *
+                                                       (std::min(sizes.experts_per_token, sizes.world) + 1) *
                                                        sizes.token_stride) &&
       (owner->combine_staging == nullptr ||
        region_bytes(layout, "combine_staging") >=

@@ -103,8 +103,9 @@ def _buffer_sizes(cfg: MoECommConfig, world: int, measurement: bool, staging: bo
     words = _round16(world * 8)  # one u64 per rank
     status = 4 * errors.STATUS_WORDS
     return [
-        # Staged: every token's row once per rank off NVLink it is bound for (one run per rank, puts' source).
-        *([("dispatch_staging", T * min(K, world) * s["token_stride"])] if staging else []),
+        # Staged: every token's row once per rank off NVLink it is bound for (one run per rank, puts' source), then
+        # each token's quantized row (dispatch(quantize=...): quantized once, copied from there).
+        *([("dispatch_staging", T * (min(K, world) + 1) * s["token_stride"])] if staging else []),
         ("dispatch_slots", window * s["token_stride"]),
         ("dispatch_ids", slots * K * 4),
         ("dispatch_ready", words),

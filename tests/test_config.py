@@ -358,15 +358,15 @@ def test_the_symmetric_layout_tiles_its_bytes_with_aligned_buffers(fields):
         # for either, whatever the world size.
         stride = sizes["combine_stride"]
         assert layout["combine_rows"][1] == cfg.max_tokens * cfg.experts_per_token * stride
-        # The staging buffers only where a job sends through them: a token's row once per rank it goes to, and the
-        # expert rows per slot or the pre-reduced rows (one per source token with a live slot here); the routes and
-        # counts that say where the packed rows went.
+        # The staging buffers only where a job sends through them: a token's row once per rank it goes to (and once
+        # quantized), and the expert rows per slot or the pre-reduced rows (one per source token with a live slot
+        # here); the routes and counts that say where the packed rows went.
         staging_only = ("dispatch_staging", "dispatch_routes", "dispatch_counts", "dest_rows", "combine_staging",
                         "group_routes", "group_counts")
         assert not set(staging_only) & set(layout)
         staged = nvshmem_backend.symmetric_layout(cfg, world, staging=True)
         assert staged["dispatch_staging"][1] >= (
-            cfg.max_tokens * min(cfg.experts_per_token, world) * sizes["token_stride"])
+            cfg.max_tokens * (min(cfg.experts_per_token, world) + 1) * sizes["token_stride"])
         assert staged["combine_staging"][1] >= max(sizes["capacity"], world * sizes["slots_per_source"]) * stride
         assert staged["dispatch_routes"][1] >= world * sizes["slots_per_source"] * cfg.experts_per_token * 4
         assert nvshmem_backend.symmetric_bytes(cfg, world, staging=True) == end + sum(

@@ -753,7 +753,8 @@ def traffic_per_rank(rank, world, seed) -> str:
     trip with pre-reduced rows sends each rank it puts to, as the kernels count it (the measurement build's
     take_traffic), at 16 and 256 tokens per rank. Whatever the token count, the dispatch sends each such rank at most
     four puts (the ids, the routes, the counts, one run of rows) and the combine two (the weights, one run of partial
-    rows), with the same signals; their bytes grow with the rows. The round trips are correct."""
+    rows; dp_size runs at dp_size > 1), with the same signals; their bytes grow with the rows. The round trips are
+    correct."""
     ext = _native.ext
     staged = {} if RUN["staged"] or nvshmem_backend._ranks_per_node else {"staged": True}
     seen = {}
