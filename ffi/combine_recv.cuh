@@ -343,22 +343,15 @@ __device__ inline void receive_combined(const Context& ctx, const CombineRecvArg
 // sum_slot_rows: token t's partial rows, one per distinct rank of its live slots, ranks ascending (as
 // sum_partial_rows adds them), each row `route` (the token's, Context::group_routes) of the run of (t's source,
 // that rank). Dynamic shared memory: [dp_size][world] int, where each run of this DP group's sources begins in
-// combine_partials (the group's sources in order, each one's runs by rank, from Context::group_counts: PartialRuns).
+// combine_partials (the group's sources in order, each one's runs by rank, Context::group_counts: partial_run_first).
 template <typename In, typename Out>
 __device__ inline void sum_staged_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens,
                                                bool vector) {
   const Sizes& s = ctx.s;
   const int K = s.experts_per_token;
-  const int32_t* counts = ctx.group_counts;  // [group source][rank]
   extern __shared__ int run_first[];
-  for (int item = threadIdx.x; item < s.dp_size * s.world; item += blockDim.x) {
-    const int q = item / s.world, r = item % s.world;
-    int first = 0;
-    for (int q2 = 0; q2 < q; ++q2)
-      for (int r2 = 0; r2 < s.world; ++r2) first += counts[q2 * s.world + r2];
-    for (int r2 = 0; r2 < r; ++r2) first += counts[q * s.world + r2];
-    run_first[item] = first;
-  }
+  for (int item = threadIdx.x; item < s.dp_size * s.world; item += blockDim.x)
+    run_first[item] = partial_run_first(ctx.group_counts, s.world, item / s.world, item % s.world);
   __syncthreads();
   const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk, last_row = s.max_tokens * K - 1;
   const size_t items = static_cast<size_t>(s.max_tokens) * chunks_per_row;

@@ -80,8 +80,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
       store_slot_row(ctx, row, row_bytes, slot, slot, group, lane, landed);
     } else {  // stage into symmetric memory: a put's source must be symmetric on other transports
       char* staged = ctx.combine_staging + static_cast<size_t>(p) * s.combine_stride;
-      warp_copy(staged, row, row_bytes, lane);
-      __syncwarp();
+      bool in_staging = false;  // staged once, for the first replica reached by a put
       for (int j = 0; j < s.dp_size; ++j) {
         const int replica = group * s.dp_size + j;
         if (is_direct(ctx, replica)) {  // a replica on this node: the row stored, then (fenced) its flag
@@ -90,6 +89,11 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
           __syncwarp();
           if (lane == 0) signal_peer(ctx, ctx.combine_flags + slot, landed, replica);
           continue;
+        }
+        if (!in_staging) {
+          warp_copy(staged, row, row_bytes, lane);
+          __syncwarp();
+          in_staging = true;
         }
         nvshmemx_putmem_signal_nbi_warp(dst, staged, row_bytes, ctx.combine_flags + slot, landed, NVSHMEM_SIGNAL_SET,
                                         pe_of(ctx, replica));
@@ -335,12 +339,11 @@ __device__ inline void plan_partial_runs(const Context& ctx, PartialRuns* runs) 
   const Sizes& s = ctx.s;
   const int32_t* counts = ctx.dispatch_counts;  // [source][rank]
   for (int src = threadIdx.x; src < s.world; src += blockDim.x) {
-    int first = 0, stage = 0;
-    for (int q = src / s.dp_size * s.dp_size; q < src; ++q)
-      for (int r = 0; r < s.world; ++r) first += counts[q * s.world + r];
-    for (int r = 0; r < s.rank; ++r) first += counts[src * s.world + r];
+    const int first_source = src / s.dp_size * s.dp_size;
+    int stage = 0;
     for (int q = 0; q < src; ++q) stage += counts[q * s.world + s.rank];
-    runs->partial_first[src] = first;
+    runs->partial_first[src] =
+        partial_run_first(counts + first_source * s.world, s.world, src - first_source, s.rank);
     runs->stage_first[src] = stage;
   }
   __syncthreads();

@@ -47,6 +47,17 @@ __device__ inline T* store_ptr(const Context& ctx, T* ptr, int r) {
   return r == ctx.s.rank ? ptr : peer_ptr(ctx, ptr, r);
 }
 
+// The staged pre-reduced combine's runs: in every replica of a DP group, the partial rows for the group's q-th source
+// from rank r begin at this row of combine_partials (the group's sources one after another, each one's runs by
+// rank). `group_counts`: [dp_size][world] the rows each of the group's sources sent each rank (dispatch_counts).
+__device__ inline int partial_run_first(const int32_t* group_counts, int world, int q, int r) {
+  int first = 0;
+  for (int q2 = 0; q2 < q; ++q2)
+    for (int r2 = 0; r2 < world; ++r2) first += group_counts[q2 * world + r2];
+  for (int r2 = 0; r2 < r; ++r2) first += group_counts[q * world + r2];
+  return first;
+}
+
 // Measurement builds: one put of `bytes` to rank r in `phase`, counted by one thread of the warp that issues it
 // (take_traffic). Nothing in the product.
 __device__ inline void count_put(const Context& ctx, Phase phase, int r, size_t bytes) {
