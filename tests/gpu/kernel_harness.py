@@ -850,6 +850,8 @@ def run_kernel_draw(rank: int, world: int, text: str) -> str:
     s, inputs = draw.setup, draw.inputs
     options = {k: v for k, v in s.options if k != "prereduce_min_tokens"}  # the harness runs every weights place
     options.setdefault("low_latency_max_tokens", 0)
+    if RUN["staged"] or nvshmem_backend._ranks_per_node:
+        options.pop("window_slots", None)  # a window runs on NVLink peers only: off it, the same draw unwindowed
     kind = {"one_hot": "one_hot", "skewed": "skewed", "dropped": "dropped"}.get(inputs.routing, "uniform")
     return run_case(rank, world, inputs.seed, s.config(), kind, repeats=1, options=options,
                     quantize=s.payload == "quantize", partial=inputs.num_tokens != "full")

@@ -31,9 +31,10 @@
 #                               each process's CPU devices; SHARED_CASES / SHARED_SKIP: their --only / --skip;
 #                               SHARED_TIMEOUT: seconds for them at each N, default 900). Each case's result line
 #                               reaches summary.txt as it ends, so a call cut short keeps the cases it finished
-#   SIMULATED_NODES=K           the SHARED_XLA cases and the HARNESS cases on K simulated nodes (--ranks-per-node N/K at
-#                               N processes): peers on other nodes reached by NVSHMEM puts, those of a node by stores, in
-#                               one round trip (the transports of a multi-node job, on one machine)
+#   SIMULATED_NODES=K           the SHARED_XLA cases and the HARNESS cases and draws on K simulated nodes
+#                               (--ranks-per-node N/K at N processes): peers on other nodes reached by NVSHMEM puts,
+#                               those of a node by stores, in one round trip (the transports of a multi-node job, on
+#                               one machine; a draw's window is left out there: windows run on NVLink peers only)
 #   SHARED_DEMO=0               SHARED_XLA without the demo and the decode example (the cases alone)
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
@@ -246,9 +247,11 @@ nodes of $per_node}"
       step "kernel harness ($n ranks) exit code $rc"
     fi
     if [ -n "${HARNESS_DIFFERENTIAL:-}" ]; then
-      step "kernel harness: $HARNESS_DIFFERENTIAL differential draws, $n ranks${shared:+, every rank on GPU 0}"
+      step "kernel harness: $HARNESS_DIFFERENTIAL differential draws, $n ranks${shared:+, every rank on GPU 0}${per_node:+, \
+simulated nodes of $per_node}"
       env $shared NVSHMEM_DISABLE_NCCL=1 timeout 600 python3 -m jax_moe_comm.launch -n $n \
-        -- tests/gpu/kernel_harness.py --differential "$HARNESS_DIFFERENTIAL" > "$LOGS/harness_differential_$n.log" 2>&1
+        -- tests/gpu/kernel_harness.py --differential "$HARNESS_DIFFERENTIAL" ${per_node:+--ranks-per-node "$per_node"} \
+        > "$LOGS/harness_differential_$n.log" 2>&1
       rc=$?
       grep -E "^\[rank 0\] (FAIL|  replay|differential:)" "$LOGS/harness_differential_$n.log" | tee -a "$OUT/summary.txt"
       step "kernel harness differential ($n ranks) exit code $rc"
