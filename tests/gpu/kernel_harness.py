@@ -480,27 +480,34 @@ def shared_buffer_set(rank, world, seed, window_slots: int | None = None) -> str
         both = [(owner, cfg, sizes), (shared, grad, grad_sizes)]
         kernels = fused_choices(p2p, window is not None)
         ways = [(w, f) for f in kernels for w in ("send", "recv")]
-        for i, (weights_at, fused) in enumerate(ways):
-            for j, (ctx, c, s) in enumerate(both):
-                trip(ctx, c, s, seed + 2 * i + j, weights_at, fused)
-        # The fp8 dispatch, then the bf16 one before the fp8 combine.
-        mem = DeviceArrays()
+        found = None  # what this rank found wrong, raised after the collective reset below, which every rank must make
         try:
-            statuses = []
-            for ctx, c, s in both:
-                (x, ids, w, scales, _), _ = draw_case(c, world, seed + 100)
-                args, out = round_trip_buffers(mem, p2p, c, s, x[rows], ids[rows], w[rows],
-                                               None if scales is None else scales[rows], T, "recv")
-                for phase, a in round_trip_launches(args, window is not None)[0]:
-                    ext.launch_phase(ctx, phase, a)
-                checked(cudart.cudaDeviceSynchronize())
-                statuses.append(DeviceArrays.get(out["status"][0], (errors.STATUS_WORDS,), np.int32))
-        finally:
-            mem.free()
-        assert statuses[0][errors.CODE] == 0, f"the fp8 dispatch failed: {errors.describe(statuses[0])}"
-        interleaved = errors.describe(statuses[1])
-        assert statuses[1][errors.CODE] & errors.OUT_OF_ORDER and "expected combine_send" in interleaved, interleaved
+            for i, (weights_at, fused) in enumerate(ways):
+                for j, (ctx, c, s) in enumerate(both):
+                    trip(ctx, c, s, seed + 2 * i + j, weights_at, fused)
+            # The fp8 dispatch, then the bf16 one before the fp8 combine.
+            mem = DeviceArrays()
+            try:
+                statuses = []
+                for ctx, c, s in both:
+                    (x, ids, w, scales, _), _ = draw_case(c, world, seed + 100)
+                    args, out = round_trip_buffers(mem, p2p, c, s, x[rows], ids[rows], w[rows],
+                                                   None if scales is None else scales[rows], T, "recv")
+                    for phase, a in round_trip_launches(args, window is not None)[0]:
+                        ext.launch_phase(ctx, phase, a)
+                    checked(cudart.cudaDeviceSynchronize())
+                    statuses.append(DeviceArrays.get(out["status"][0], (errors.STATUS_WORDS,), np.int32))
+            finally:
+                mem.free()
+            assert statuses[0][errors.CODE] == 0, f"the fp8 dispatch failed: {errors.describe(statuses[0])}"
+            interleaved = errors.describe(statuses[1])
+            assert statuses[1][errors.CODE] & errors.OUT_OF_ORDER and "expected combine_send" in interleaved, \
+                interleaved
+        except Exception as e:  # raised below, after the collective calls
+            found = e
         ext.reset_context(shared)  # collective; the owner's state too
+        if found is not None:
+            raise found
         for j, (ctx, c, s) in enumerate(reversed(both)):
             trip(ctx, c, s, seed + 200 + j, "recv", window is not None)
         rounds = "" if window is None else f", rounds of {window} slots"
