@@ -4,19 +4,12 @@
 namespace jmc {
 namespace {
 
-template <typename In, typename Out>
+// StagedPartials: the staged path's pre-reduced rows (Context::p2p false, a.reduced); dynamic shared memory:
+// sum_staged_partial_rows'.
+template <typename In, typename Out, bool StagedPartials>
 __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   if (begin_phase(ctx, kCombineRecv, a.status))
-    receive_combined<In, Out>(ctx, a);
-  else
-    fill_nan<Out>(ctx, a.out, true);  // refused: no result
-}
-
-// The staged path's pre-reduced rows (Context::p2p false, a.reduced). Dynamic shared memory: sum_staged_partial_rows'.
-template <typename In, typename Out>
-__global__ void combine_recv_staged_kernel(Context ctx, CombineRecvArgs a) {
-  if (begin_phase(ctx, kCombineRecv, a.status))
-    receive_staged_partials<In, Out>(ctx, a);
+    receive_combined<In, Out, StagedPartials>(ctx, a);
   else
     fill_nan<Out>(ctx, a.out, true);  // refused: no result
 }
@@ -27,8 +20,8 @@ void* kernel_for(int in_dtype, int out_dtype, bool staged_partials) {
     return with_row_type(out_dtype, [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      return staged_partials ? reinterpret_cast<void*>(combine_recv_staged_kernel<In, Out>)
-                             : reinterpret_cast<void*>(combine_recv_kernel<In, Out>);
+      return staged_partials ? reinterpret_cast<void*>(combine_recv_kernel<In, Out, true>)
+                             : reinterpret_cast<void*>(combine_recv_kernel<In, Out, false>);
     });
   });
 }

@@ -320,24 +320,6 @@ __device__ inline void end_combine(const Context& ctx, const CombineRecvArgs& a,
   mark(ctx, kCombineRecv, kEnd, true);
 }
 
-// The phase after its protocol-order check (combine_recv.cu), or right after the send in the fused combine
-// (combine.cu).
-template <typename In, typename Out>
-__device__ inline void receive_combined(const Context& ctx, const CombineRecvArgs& a) {
-  const Sizes& s = ctx.s;
-  const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
-  if (a.reduced) {  // one partial row per expert rank, all signalled at once by each rank's combine_send
-    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
-      wait_for(ctx, ctx.partials_ready + pe, tagged(current_epoch(ctx), 1), kCombineRecv, pe);
-    __syncthreads();
-    mark(ctx, kCombineRecv, kWaited);
-    sum_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
-  } else {
-    sum_slot_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
-  }
-  end_combine<Out>(ctx, a);
-}
-
 
 // The staged path's pre-reduced rows (combine_send_reduced_staged) into y, a thread per (token, kChunk columns) as
 // sum_slot_rows: token t's partial rows, one per distinct rank of its live slots, ranks ascending (as
@@ -388,17 +370,24 @@ __device__ inline void sum_staged_partial_rows(const Context& ctx, const Combine
   }
 }
 
-// The staged path's pre-reduced combine_recv (combine_recv.cu): every rank's partial rows, signalled at once by its
-// combine_send, then their sums, then the end of every combine_recv.
-template <typename In, typename Out>
-__device__ inline void receive_staged_partials(const Context& ctx, const CombineRecvArgs& a) {
+// The phase after its protocol-order check (combine_recv.cu), or right after the send in the fused combine
+// (combine.cu). StagedPartials: the staged path's pre-reduced rows (combine_recv.cu alone; a.reduced).
+template <typename In, typename Out, bool StagedPartials = false>
+__device__ inline void receive_combined(const Context& ctx, const CombineRecvArgs& a) {
   const Sizes& s = ctx.s;
   const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
-  for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
-    wait_for(ctx, ctx.partials_ready + pe, tagged(current_epoch(ctx), 1), kCombineRecv, pe);
-  __syncthreads();
-  mark(ctx, kCombineRecv, kWaited);
-  sum_staged_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s));
+  if (StagedPartials || a.reduced) {  // one partial row per expert rank, all signalled at once by each combine_send
+    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
+      wait_for(ctx, ctx.partials_ready + pe, tagged(current_epoch(ctx), 1), kCombineRecv, pe);
+    __syncthreads();
+    mark(ctx, kCombineRecv, kWaited);
+    if constexpr (StagedPartials)
+      sum_staged_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s));
+    else
+      sum_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
+  } else {
+    sum_slot_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
+  }
   end_combine<Out>(ctx, a);
 }
 

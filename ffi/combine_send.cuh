@@ -160,6 +160,32 @@ __device__ inline int arrived_tokens(const Context& ctx, int src) {
              ctx.s.slots_per_source);
 }
 
+// Our weights are on every rank (the caller has fenced and met a grid barrier): block 0 SETs our weights_ready word
+// everywhere; every block waits for every source's (a thread per source).
+__device__ inline void signal_and_wait_weights(const Context& ctx, uint32_t epoch) {
+  const Sizes& s = ctx.s;
+  if (blockIdx.x == 0)
+    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
+      signal_peer(ctx, ctx.weights_ready + s.rank, tagged(epoch, 1), pe);
+  for (int src = threadIdx.x; src < s.world; src += blockDim.x)
+    wait_for(ctx, ctx.weights_ready + src, tagged(epoch, 1), kCombineSend, src);
+}
+
+// Step 4 of the pre-reduced combine_send (below): the last block SETs partials_ready and the sync flag ("done
+// reading your dispatch buffers") on every rank, unless some block gave up (then peers give up too).
+__device__ inline void finish_reduced_send(const Context& ctx, const CombineSendArgs& a, uint32_t epoch,
+                                           bool advance) {
+  int32_t code;
+  if (finish_phase(ctx, kCombineSend, a.status, advance, &code)) {
+    if (completed(code)) {
+      for (int pe = threadIdx.x; pe < ctx.s.world; pe += blockDim.x)
+        signal_peer(ctx, ctx.partials_ready + ctx.s.rank, tagged(epoch, 1), pe);
+      signal_done_reading(ctx);
+    }
+    mark(ctx, kCombineSend, kEnd, true);
+  }
+}
+
 // Steps 1 and 2 of the pre-reduced combine_send (below): the weights everywhere, row_of.
 __device__ inline void exchange_weights(const Context& ctx, const CombineSendArgs& a) {
   const Sizes& s = ctx.s;
@@ -187,14 +213,8 @@ __device__ inline void exchange_weights(const Context& ctx, const CombineSendArg
   if (publish > 0) __threadfence_system();
   cooperative_groups::this_grid().sync();
 
-  // 2. Weights: ours are everywhere; wait for every source's (a thread per source, in every block).
-  if (!a.weights_sent) {
-    if (blockIdx.x == 0)
-      for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
-        signal_peer(ctx, ctx.weights_ready + s.rank, tagged(epoch, 1), pe);
-    for (int src = threadIdx.x; src < s.world; src += blockDim.x)
-      wait_for(ctx, ctx.weights_ready + src, tagged(epoch, 1), kCombineSend, src);
-  }
+  // 2. Weights: ours are everywhere; wait for every source's.
+  if (!a.weights_sent) signal_and_wait_weights(ctx, epoch);
   __syncthreads();
   mark(ctx, kCombineSend, kWaited);
 }
@@ -375,17 +395,11 @@ __device__ inline void exchange_weights_staged(const Context& ctx, const Combine
   cooperative_groups::this_grid().sync();  // our weights complete here before any warp puts them
   const size_t bytes = 4ull * K * publish;
   for (int d = gwarp; d < s.world && bytes > 0; d += nwarps) {
-    if (stores_into(ctx, d)) continue;
-    nvshmemx_putmem_nbi_warp(mine, mine, bytes, pe_of(ctx, d));
-    if (lane == 0) count_put(ctx, kCombineSend, d, bytes);
+    if (!stores_into(ctx, d)) put_warp(ctx, kCombineSend, mine, mine, bytes, d, lane);
   }
   complete_remote_writes(ctx);  // this thread's stores and puts of the weights are complete
   cooperative_groups::this_grid().sync();  // and every thread's, before the signal
-  if (blockIdx.x == 0)
-    for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
-      signal_peer(ctx, ctx.weights_ready + s.rank, tagged(epoch, 1), pe);
-  for (int src = threadIdx.x; src < s.world; src += blockDim.x)
-    wait_for(ctx, ctx.weights_ready + src, tagged(epoch, 1), kCombineSend, src);
+  signal_and_wait_weights(ctx, epoch);
   __syncthreads();
   mark(ctx, kCombineSend, kWaited);
 }
@@ -412,16 +426,7 @@ __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSen
   __threadfence_system();  // this thread's partial rows reach every peer before the signals below
   mark(ctx, kCombineSend, kClosed);
 
-  // 4. Done: partial rows landed, dispatch buffers read (unless some block gave up: then peers give up too).
-  int32_t code;
-  if (finish_phase(ctx, kCombineSend, a.status, advance, &code)) {
-    if (completed(code)) {
-      for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
-        signal_peer(ctx, ctx.partials_ready + s.rank, tagged(epoch, 1), pe);
-      signal_done_reading(ctx);
-    }
-    mark(ctx, kCombineSend, kEnd, true);
-  }
+  finish_reduced_send(ctx, a, epoch, advance);
   return true;
 }
 
@@ -456,24 +461,14 @@ __device__ inline bool combine_send_reduced_staged(const Context& ctx, const Com
     const int replica = item / s.dp_size, src = replica / s.dp_size * s.dp_size + item % s.dp_size;
     const int rows = ctx.dispatch_counts[src * s.world + s.rank];
     if (stores_into(ctx, replica) || rows == 0) continue;
-    const size_t bytes = static_cast<size_t>(rows) * s.combine_stride;
-    nvshmemx_putmem_nbi_warp(ctx.combine_partials + static_cast<size_t>(runs.partial_first[src]) * s.combine_stride,
-                             ctx.combine_staging + static_cast<size_t>(runs.stage_first[src]) * s.combine_stride,
-                             bytes, pe_of(ctx, replica));
-    if (lane == 0) count_put(ctx, kCombineSend, replica, bytes);
+    put_warp(ctx, kCombineSend, ctx.combine_partials + static_cast<size_t>(runs.partial_first[src]) * s.combine_stride,
+             ctx.combine_staging + static_cast<size_t>(runs.stage_first[src]) * s.combine_stride,
+             static_cast<size_t>(rows) * s.combine_stride, replica, lane);
   }
   mark(ctx, kCombineSend, kWorked);
   complete_remote_writes(ctx);  // this thread's stores and puts are complete before the signals below
   mark(ctx, kCombineSend, kClosed);
-  int32_t code;
-  if (finish_phase(ctx, kCombineSend, a.status, true, &code)) {
-    if (completed(code)) {
-      for (int pe = threadIdx.x; pe < s.world; pe += blockDim.x)
-        signal_peer(ctx, ctx.partials_ready + s.rank, tagged(epoch, 1), pe);
-      signal_done_reading(ctx);
-    }
-    mark(ctx, kCombineSend, kEnd, true);
-  }
+  finish_reduced_send(ctx, a, epoch, true);
   return true;
 }
 

@@ -69,6 +69,13 @@ __device__ inline void count_put(const Context& ctx, Phase phase, int r, size_t 
 #endif
 }
 
+// A warp's nonblocking put of `bytes` from `src` here to `dest` on rank r (both symmetric), counted (count_put).
+__device__ inline void put_warp(const Context& ctx, Phase phase, void* dest, const void* src, size_t bytes, int r,
+                                int lane) {
+  nvshmemx_putmem_nbi_warp(dest, src, bytes, pe_of(ctx, r));
+  if (lane == 0) count_put(ctx, phase, r, bytes);
+}
+
 // SETs rank r's copy of a signal word. For a direct peer a volatile store through peer_ptr, as nvshmemx_signal_op
 // does there, without its first step: a load of the peer's heap base from NVSHMEM's device state (a dependent load
 // on a kernel's first pass). The caller fences first (complete_remote_writes), as with nvshmemx_signal_op.

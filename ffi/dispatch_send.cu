@@ -111,25 +111,15 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
       warp_copy(peer_ptr(ctx, my_routes, d), my_routes, route_bytes, lane);
       warp_copy(peer_ptr(ctx, my_counts, d), my_counts, count_bytes, lane);
     } else if (d != s.rank) {
-      const int pe = pe_of(ctx, d);
-      const size_t row_bytes = static_cast<size_t>(rows) * s.token_stride;
       if (route_bytes > 0) {
-        nvshmemx_putmem_nbi_warp(my_ids, my_ids, route_bytes, pe);
-        nvshmemx_putmem_nbi_warp(my_routes, my_routes, route_bytes, pe);
+        put_warp(ctx, kDispatchSend, my_ids, my_ids, route_bytes, d, lane);
+        put_warp(ctx, kDispatchSend, my_routes, my_routes, route_bytes, d, lane);
       }
-      nvshmemx_putmem_nbi_warp(my_counts, my_counts, count_bytes, pe);
+      put_warp(ctx, kDispatchSend, my_counts, my_counts, count_bytes, d, lane);
       if (rows > 0)
-        nvshmemx_putmem_nbi_warp(ctx.dispatch_slots + region * s.token_stride,
-                                 ctx.dispatch_staging + static_cast<size_t>(staged_first[d]) * s.token_stride,
-                                 row_bytes, pe);
-      if (lane == 0) {
-        if (route_bytes > 0) {
-          count_put(ctx, kDispatchSend, d, route_bytes);
-          count_put(ctx, kDispatchSend, d, route_bytes);
-        }
-        count_put(ctx, kDispatchSend, d, count_bytes);
-        if (rows > 0) count_put(ctx, kDispatchSend, d, row_bytes);
-      }
+        put_warp(ctx, kDispatchSend, ctx.dispatch_slots + region * s.token_stride,
+                 ctx.dispatch_staging + static_cast<size_t>(staged_first[d]) * s.token_stride,
+                 static_cast<size_t>(rows) * s.token_stride, d, lane);
     }
     if (lane == 0) ctx.dest_rows[d] = 0;  // for the next call (every read of it was before the barrier)
   }

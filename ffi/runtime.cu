@@ -451,24 +451,23 @@ std::string describe_failure(const std::vector<int32_t>& words) {
 }
 
 #ifdef JMC_MEASUREMENT
-std::vector<uint64_t> take_kernel_marks(Context* ctx) {
-  std::vector<uint64_t> marks(kPhases * kMarks, 0);
-  if (ctx->marks == nullptr) return {};
-  const size_t bytes = marks.size() * sizeof(uint64_t);
-  if (cudaMemcpy(marks.data(), ctx->marks, bytes, cudaMemcpyDeviceToHost) != cudaSuccess ||
-      cudaMemset(ctx->marks, 0, bytes) != cudaSuccess)
-    return {};
-  return marks;
-}
-
-std::vector<uint64_t> take_traffic(Context* ctx) {
-  std::vector<uint64_t> words(traffic_words(ctx->s.world), 0);
-  if (ctx->traffic == nullptr) return {};
-  const size_t bytes = words.size() * sizeof(uint64_t);
-  if (cudaMemcpy(words.data(), ctx->traffic, bytes, cudaMemcpyDeviceToHost) != cudaSuccess ||
-      cudaMemset(ctx->traffic, 0, bytes) != cudaSuccess)
+namespace {
+// `count` device words, read and cleared; empty when they were never allocated or a copy failed.
+std::vector<uint64_t> take_device_words(uint64_t* device, size_t count) {
+  if (device == nullptr) return {};
+  std::vector<uint64_t> words(count, 0);
+  const size_t bytes = count * sizeof(uint64_t);
+  if (cudaMemcpy(words.data(), device, bytes, cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemset(device, 0, bytes) != cudaSuccess)
     return {};
   return words;
+}
+}  // namespace
+
+std::vector<uint64_t> take_kernel_marks(Context* ctx) { return take_device_words(ctx->marks, kPhases * kMarks); }
+
+std::vector<uint64_t> take_traffic(Context* ctx) {
+  return take_device_words(ctx->traffic, traffic_words(ctx->s.world));
 }
 #endif
 
