@@ -480,8 +480,7 @@ def shared_buffer_set(rank, world, seed, window_slots: int | None = None) -> str
         both = [(owner, cfg, sizes), (shared, grad, grad_sizes)]
         kernels = fused_choices(p2p, window is not None)
         ways = [(w, f) for f in kernels for w in ("send", "recv")]
-        found = None  # what this rank found wrong, raised after the collective reset below, which every rank must make
-        try:
+        try:  # the reset below is collective: every rank makes it, whatever it found wrong first
             for i, (weights_at, fused) in enumerate(ways):
                 for j, (ctx, c, s) in enumerate(both):
                     trip(ctx, c, s, seed + 2 * i + j, weights_at, fused)
@@ -503,11 +502,8 @@ def shared_buffer_set(rank, world, seed, window_slots: int | None = None) -> str
             interleaved = errors.describe(statuses[1])
             assert statuses[1][errors.CODE] & errors.OUT_OF_ORDER and "expected combine_send" in interleaved, \
                 interleaved
-        except Exception as e:  # raised below, after the collective calls
-            found = e
-        ext.reset_context(shared)  # collective; the owner's state too
-        if found is not None:
-            raise found
+        finally:
+            ext.reset_context(shared)  # collective; the owner's state too
         for j, (ctx, c, s) in enumerate(reversed(both)):
             trip(ctx, c, s, seed + 200 + j, "recv", window is not None)
         rounds = "" if window is None else f", rounds of {window} slots"
@@ -711,8 +707,7 @@ def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: 
             times.append(took)
         first = outcomes[0] if not (absent_rank_skips and rank == late) else outcomes[1]
         held = ext.host_failure(ctx)
-        found = None  # what this rank found wrong, raised after the collective reset below, which every rank must make
-        try:
+        try:  # the reset below is collective: every rank makes it, whatever it found wrong first
             assert f"timed out waiting for rank {late}" in first, f"round trip 1 on rank {rank}: {first}"
             assert all(o != "correct" for o in outcomes), f"a round trip after the failure ran: {outcomes}"
             assert len({o for o in outcomes if o != "skipped"}) == 1, f"the failure changed: {outcomes}"
@@ -726,13 +721,10 @@ def fault_round_trips(rank, world, seed, absent_rank_skips: bool, window_slots: 
                 f"the host words hold another failure: {errors.describe(held)}"
             assert held[errors.RANK] <= failing_rank(first), \
                 f"the host words name rank {held[errors.RANK]}, not the lowest that failed: {first}"
-        except Exception as e:  # raised below, after the collective calls
-            found = e
-        ext.reset_context(ctx)
+        finally:
+            ext.reset_context(ctx)
         inputs, ref = draw_case(cfg, world, seed + 6)
         after, _ = round_trip_outcome(ctx, p2p, cfg, sizes, rank, inputs, ref, weights_at, p2p)
-        if found is not None:
-            raise found
         assert after == "correct", f"after reset: {after}"
         assert ext.host_failure(ctx)[errors.CODE] == 0
         return (f"trip 1 failed in {times[0]:.1f}s (timeout {FAULT_TIMEOUT_S:.0f}s): {first.split(': ', 1)[1][:70]}; "
