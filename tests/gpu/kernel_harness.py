@@ -866,8 +866,9 @@ def main() -> int:
     parser.add_argument("--weights-to", choices=("combine", "dispatch"), default="combine",
                         help="with --marks: give the weights to dispatch where the combine pre-reduces")
     parser.add_argument("--split", action="store_true", help="with --marks: the four kernels, not the two fused ones")
-    parser.add_argument("--low-latency-max-tokens", type=int, default=None,
-                        help="with --marks: MoEComm's low_latency_max_tokens (0: never the low-latency path)")
+    parser.add_argument("--low-latency-max-tokens", type=int, default=Options().low_latency_max_tokens,
+                        help="with --marks: MoEComm's low_latency_max_tokens (0: never the low-latency path; default "
+                             "MoEComm's, as the bench)")
     parser.add_argument("--staged", action="store_true", help="MoEComm's staged=True: staged puts even on NVLink")
     parser.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
                         help="simulated nodes of N ranks: peers on other nodes reached by NVSHMEM puts, the others by "
@@ -895,9 +896,8 @@ def main() -> int:
         if not _native.ext.measurement_build():
             raise SystemExit("--marks needs the measurement build (JAX_MOE_COMM_MEASUREMENT=ON)")
         for tokens in (int(t) for t in args.marks.split(",")):
-            ll = args.low_latency_max_tokens
             marks_table(rank, world, "r1", tokens, trips=50, weights_to=args.weights_to, split=args.split,
-                        options=None if ll is None else {"low_latency_max_tokens": ll})
+                        options={"low_latency_max_tokens": args.low_latency_max_tokens})
         _native.ext.finalize()
         return 0
     passed = failed = 0
