@@ -19,6 +19,12 @@ constexpr int kExpertRowsInFlight = 2;  // pre-reduced rows: expert rows whose c
 // Column segments of a pre-reduced row (a warp's work item is one segment of one token).
 __host__ __device__ inline int row_segments(const Sizes& s) { return (s.hidden + kSegCols - 1) / kSegCols; }
 
+constexpr int kMinPiecePairs = 32 * 2;  // the flagged send's smallest part of a row: a 16-byte load per lane
+
+// This thread's warp in an order that puts consecutive work items on different blocks (warp w of block b is b +
+// w * gridDim.x): a few rows then run on as many SMs, not all on block 0's.
+__device__ inline int spread_warp() { return static_cast<int>(threadIdx.x / 32 * gridDim.x + blockIdx.x); }
+
 // Our sync flag, SET on every peer: this rank has finished reading its dispatch buffers of this round trip (its
 // dispatch_recv has: same stream), so a peer's next dispatch_send may write them. kPublishedFailure: this rank
 // published a failure of this round trip (before: its dispatch phases' ends), which the peers' combine_recv merges.
@@ -66,10 +72,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
   }
   const uint64_t landed = tagged(current_epoch(ctx), kSlotLanded);
 
-  const int lane = threadIdx.x % 32;
-  const int warps_per_block = blockDim.x / 32;
-  const int gwarp = blockIdx.x * warps_per_block + threadIdx.x / 32;
-  const int nwarps = gridDim.x * warps_per_block;
+  const int lane = threadIdx.x % 32, gwarp = spread_warp(), nwarps = gridDim.x * blockDim.x / 32;
   const int row_bytes = s.hidden * a.elem_bytes;
   for (int p = gwarp; p < s.capacity; p += nwarps) {
     int group, slot;
@@ -119,18 +122,23 @@ __device__ inline bool combine_send_flagged(const Context& ctx, const CombineSen
     mark(ctx, kCombineSend, kWaited, true);
   }
   const uint32_t epoch = current_epoch(ctx);
-  const int lane = threadIdx.x % 32;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int lane = threadIdx.x % 32, gwarp = spread_warp(), nwarps = gridDim.x * blockDim.x / 32;
   const int row_bytes = s.hidden * a.elem_bytes, pairs = row_bytes / 8;
-  for (int p = gwarp; p < s.capacity; p += nwarps) {
+  // Fewer rows than warps (a few tokens): each row in `pieces` parts, a warp each, part q of row p work item
+  // q * capacity + p, so a row's parts run on different blocks. A warp alone stores a row's flagged words (twice its
+  // bytes) at a fraction of an SM's store rate; receivers need no order among the words.
+  const int pieces = max(1, min(nwarps / max(s.capacity, 1), pairs / kMinPiecePairs));
+  const int piece_pairs = (pairs + pieces - 1) / pieces + 1 & ~1;  // even: a piece starts 16-byte aligned
+  for (int item = gwarp; item < s.capacity * pieces; item += nwarps) {
+    const int p = item % s.capacity, begin = item / s.capacity * piece_pairs, n = min(piece_pairs, pairs - begin);
     int group, slot;
-    if (!origin_slot(s, a.row_origin[p], &group, &slot)) continue;
-    const auto* row = reinterpret_cast<const uint2*>(static_cast<const char*>(a.expert_y) +
-                                                     static_cast<size_t>(p) * row_bytes);
-    uint64_t* dst = ctx.flagged_combine + static_cast<size_t>(slot) * flagged_combine_words(s);
-    warp_store_flagged(row, pairs, row, pairs, epoch, s.dp_size,
+    if (n <= 0 || !origin_slot(s, a.row_origin[p], &group, &slot)) continue;
+    const auto* part = reinterpret_cast<const uint2*>(static_cast<const char*>(a.expert_y) +
+                                                      static_cast<size_t>(p) * row_bytes) + begin;
+    uint64_t* dst = ctx.flagged_combine + static_cast<size_t>(slot) * flagged_combine_words(s) + 2 * begin;
+    warp_store_flagged(part, n, part, n, epoch, s.dp_size,
                        [&](int j) { return peer_ptr(ctx, dst, group * s.dp_size + j); }, lane);
-    mark(ctx, kCombineSend, kStep1);  // block 0's (last) row stored
+    mark(ctx, kCombineSend, kStep1);  // block 0's (last) part stored
   }
   mark(ctx, kCombineSend, kWorked);
   return true;
