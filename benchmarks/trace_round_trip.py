@@ -2,7 +2,7 @@
 GPU activity per kernel name and the device timeline of one chain call (rank 0; every rank with --all-ranks).
 
     python -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py --tokens 128 [--check] [--chain 4]
-        [--option prereduce_min_tokens=1] [--all-ranks]
+        [--option prereduce_min_tokens=1] [--all-ranks] [--backward]
 
 Needs CUPTI (shipped with jax's CUDA plugin); without it the trace holds host events only and this says so.
 """
@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from jax_moe_comm import bench
 from jax_moe_comm._cli import prepare_process
+from jax_moe_comm.bench.chains import backward_chain
 from jax_moe_comm.bench.cli import OPTION_NAMES, parse_option
 from jax_moe_comm.launch import initialize_distributed
 
@@ -69,6 +70,8 @@ def main() -> int:
                    help="also the host's activity per event name (XLA's thunks, command buffer updates, FFI calls)")
     p.add_argument("--option", dest="options", type=parse_option, action="append", default=[], metavar="NAME=VALUE",
                    help=f"a MoEComm option, repeatable; NAME of {', '.join(OPTION_NAMES)}")
+    p.add_argument("--backward", action="store_true",
+                   help="the bench's --backward chain: each round trip and its gradient w.r.t. the top-k weights")
     args = p.parse_args()
     options = dict(args.options)
     initialize_distributed()
@@ -83,8 +86,10 @@ def main() -> int:
     x, scales = bench.make_tokens(bench.seeded(1, args.tokens), cfg, n_rows)
     ids, w = bench.make_routing(bench.seeded(2, args.tokens), cfg, n_rows)
     dev = tuple(bench.to_global(a, mesh) for a in (x, scales, ids, w))
-    impl = bench.make_impl(args.backend, cfg, args.tokens, mesh, check_errors=args.check, options=options)
-    fn = bench.lower_chain(bench.round_trip_chain(impl, cfg, args.chain), mesh, dev).compile()
+    impl = bench.make_impl(args.backend, cfg, args.tokens, mesh, check_errors=args.check, options=options,
+                           backward=args.backward)
+    chain = backward_chain if args.backward else bench.round_trip_chain
+    fn = bench.lower_chain(chain(impl, cfg, args.chain), mesh, dev).compile()
     for _ in range(3):
         jax.block_until_ready(fn(*dev))
     with tempfile.TemporaryDirectory() as log_dir:
@@ -96,7 +101,8 @@ def main() -> int:
     if jax.process_index() != 0 and not args.all_ranks:
         return 0
     gpu = device_events(events)
-    print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain} check={args.check} options={options}: "
+    print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain}{' backward' if args.backward else ''} "
+          f"check={args.check} options={options}: "
           f"{len(events)} trace events, {len(gpu)} on GPU tracks")
     if not gpu:
         names = collections.Counter(e.get("name", "") for e in events if e.get("ph") == "X")
