@@ -166,8 +166,8 @@ class MoEComm:
         dispatch that quantizes bf16 rows takes the other path. Under ``max_symmetric_bytes`` the path is taken only
         where its buffers fit unwindowed. Default 0 (never), chosen by measurement (benchmarks/NOTES.md): on one H200
         the path is 2-6 µs slower per round trip at 1-32 tokens (its dispatch copies read twice the bytes, a warp
-        per row); what it saves, the fences and signals across GPUs, is unmeasured with two GPUs. The same layout
-        and results bit for bit.
+        per row); what it saves, the fences and signals between GPUs, has not been measured on two GPUs. The same
+        layout and results bit for bit.
       staged: send through symmetric staging buffers and put-with-signal even where NVLink stores reach every peer
         (the path to peers off NVLink; True tests it on one node). The same results bit for bit.
       max_symmetric_bytes: a bound on the round trips' share of ``symmetric_bytes`` (per GPU; the backward's weights
