@@ -123,6 +123,17 @@ struct HostState {
   bool raised = false;     // the protocol failure in HostWords has been raised (it stays there until reset)
 };
 
+// The send halves' own stream (MoEComm(send_stream="own"); handlers.cu, forked and joined): a send half launched
+// there starts after what XLA queued before it (`inputs`, recorded on XLA's stream) and runs beside what XLA queues
+// next, until the receive half makes XLA's stream wait for `sent`. Created with the context, shared with its shared
+// contexts (one protocol sequence), destroyed with its owner. Host-only.
+struct SideStream {
+  cudaStream_t stream = nullptr;  // non-blocking, the device's highest priority: its blocks go first
+  cudaEvent_t inputs = nullptr;   // recorded on XLA's stream right before a send is forked
+  cudaEvent_t sent = nullptr;     // recorded on `stream` after the send's kernel
+  bool pending = false;           // a send ran on `stream` and no handler has made XLA's stream wait for it yet
+};
+
 struct Context {
   Sizes s;
   // Symmetric (same offsets on every rank).
@@ -184,6 +195,7 @@ struct Context {
   HostWords* host_words;      // device address of the mapped pinned host words
   HostWords* host_view;       // the same words, host address (the check handler reads them)
   HostState* host_state;
+  SideStream* side;           // the send halves' own stream (null in a context that failed to create it)
 #ifdef JMC_MEASUREMENT
   uint64_t* marks;            // [4 phases][kMarks] (device memory), or null: no stamps
   uint64_t* traffic;          // [traffic_words(world)] (device memory), or null: what this rank sent peers by NVSHMEM

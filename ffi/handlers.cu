@@ -1,5 +1,5 @@
 // XLA FFI handlers: unpack buffers, find the Context by its id (the `context` attribute), launch the phase's kernel on
-// XLA's stream. No host synchronisation and no collective host work happens here. Shapes: T = max_tokens, H = hidden,
+// XLA's stream (a send half with `side_stream`: on the context's own, see forked). No host synchronisation and no collective host work happens here. Shapes: T = max_tokens, H = hidden,
 // K = experts per token, B = the fp8 scale block, C = capacity, L = local experts, E = experts of the layer;
 // "status" is int32[kStatusWords].
 #include <chrono>
@@ -47,6 +47,43 @@ bool quantizes(const ffi::AnyBuffer& x, const Context& ctx) {
   return x.element_type() == ffi::DataType::BF16 && ctx.s.scale_cols > 0;
 }
 
+// Launches a send half: on XLA's stream, or with `side_stream` (MoEComm(send_stream="own")) forked onto the
+// context's own stream (SideStream): after what XLA queued before it, beside what XLA queues after it, until a
+// later handler joins it. Inside a command buffer (XLA's stream capturing) it is not forked: a fork joined by
+// another call cannot be captured, and a replayed graph would not rerun the join. The "own" targets are registered
+// without the command-buffer trait, so XLA runs them (and the work between them) outside command buffers.
+template <typename Launch>
+cudaError_t forked(const Context& c, int64_t side_stream, cudaStream_t stream, Launch&& launch) {
+  SideStream* side = c.side;
+  if (side_stream == 0 || side == nullptr) return launch(stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess || capture != cudaStreamCaptureStatusNone) return err == cudaSuccess ? launch(stream) : err;
+  if ((err = cudaEventRecord(side->inputs, stream)) != cudaSuccess) return err;
+  if ((err = cudaStreamWaitEvent(side->stream, side->inputs, 0)) != cudaSuccess) return err;
+  if ((err = launch(side->stream)) != cudaSuccess) return err;
+  if ((err = cudaEventRecord(side->sent, side->stream)) != cudaSuccess) return err;
+  side->pending = true;
+  return cudaSuccess;
+}
+
+// Makes XLA's stream wait for a forked send (a no-op when none is pending): every kernel handler does so before it
+// launches, the receive half first of all; the buffers that send reads are that receive's operands (kept live by
+// XLA until then).
+cudaError_t joined(const Context& c, cudaStream_t stream) {
+  SideStream* side = c.side;
+  if (side == nullptr || !side->pending) return cudaSuccess;
+  side->pending = false;
+  return cudaStreamWaitEvent(stream, side->sent, 0);
+}
+
+// joined, then launch(stream).
+template <typename Launch>
+cudaError_t after_join(const Context& c, cudaStream_t stream, Launch&& launch) {
+  const cudaError_t err = joined(c, stream);
+  return err == cudaSuccess ? launch(stream) : err;
+}
+
 // `after` is never read by any handler: an operand XLA must produce first, so the call runs after it (see
 // design.md, "FFI and ordering").
 ffi::Error DispatchSend(cudaStream_t stream,
@@ -57,17 +94,21 @@ ffi::Error DispatchSend(cudaStream_t stream,
                         ffi::Buffer<ffi::F32> topk_weights,    // [T, K] stored with the ids (NVLink path), or [0]
                         ffi::AnyBuffer /*after*/,              // any
                         ffi::Result<ffi::Buffer<ffi::S32>> status,  // this phase's status
-                        int64_t context) {
+                        int64_t context, int64_t side_stream) {
   DispatchSendArgs a{x.untyped_data(), scales.typed_data(), topk_ids.typed_data(), num_tokens.typed_data(),
                      status->typed_data(), topk_weights.element_count() ? topk_weights.typed_data() : nullptr};
   return with_context(context, "dispatch_send", [&](const Context& c) {
     a.quantize = quantizes(x, c);
-    return launch_dispatch_send(c, a, stream);
+    return after_join(c, stream, [&](cudaStream_t) {
+      return forked(c, side_stream, stream, [&](cudaStream_t s) { return launch_dispatch_send(c, a, s); });
+    });
   });
 }
 
+// `kept` (send_stream="own"): the send's operands, which its kernel may still read until this call joins it.
 ffi::Error DispatchRecv(cudaStream_t stream,
                         ffi::Buffer<ffi::S32> /*send_status*/,             // orders the receive after the send
+                        ffi::RemainingArgs /*kept*/,                       // the send's operands, or none
                         ffi::Result<ffi::AnyBuffer> expert_x,              // [C, H] rows by local expert
                         ffi::Result<ffi::Buffer<ffi::F32>> expert_scales,  // [C, H / B], or [C, 0]
                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,    // [L]
@@ -77,7 +118,9 @@ ffi::Error DispatchRecv(cudaStream_t stream,
                         int64_t context) {
   DispatchRecvArgs a{expert_x->untyped_data(), expert_scales->typed_data(), group_sizes->typed_data(),
                      row_origin->typed_data(), status->typed_data(), expert_counts->typed_data()};
-  return with_context(context, "dispatch_recv", [&](const Context& c) { return launch_dispatch_recv(c, a, stream); });
+  return with_context(context, "dispatch_recv", [&](const Context& c) {
+    return after_join(c, stream, [&](cudaStream_t s) { return launch_dispatch_recv(c, a, s); });
+  });
 }
 
 // `partial_type` (a RowType): the element type of the pre-reduced rows; `weights_sent` (0/1): the dispatch stored the
@@ -87,12 +130,16 @@ ffi::Error CombineSend(cudaStream_t stream,
                        ffi::Buffer<ffi::S32> row_origin,            // [C] from dispatch
                        ffi::Buffer<ffi::F32> topk_weights,          // [T, K]: pre-reduce (NVLink path); [0]: per slot
                        ffi::Result<ffi::Buffer<ffi::S32>> status,   // this phase's status
-                       int64_t context, int64_t partial_type, int64_t weights_sent) {
+                       int64_t context, int64_t partial_type, int64_t weights_sent, int64_t side_stream) {
   CombineSendArgs a{expert_y.untyped_data(), static_cast<int>(ffi::ByteWidth(expert_y.element_type())),
                     row_origin.typed_data(), status->typed_data(),
                     topk_weights.element_count() ? topk_weights.typed_data() : nullptr,
                     row_type(expert_y.element_type()), static_cast<int>(partial_type), weights_sent != 0};
-  return with_context(context, "combine_send", [&](const Context& c) { return launch_combine_send(c, a, stream); });
+  return with_context(context, "combine_send", [&](const Context& c) {
+    return after_join(c, stream, [&](cudaStream_t) {
+      return forked(c, side_stream, stream, [&](cudaStream_t s) { return launch_combine_send(c, a, s); });
+    });
+  });
 }
 
 // `rows_type` (a RowType): the element type of the rows in flight (expert_y's, or the pre-reduced rows');
@@ -102,12 +149,15 @@ ffi::Error CombineRecv(cudaStream_t stream,
                        ffi::Buffer<ffi::S32> topk_ids,              // [T, K] this rank's routing
                        ffi::Buffer<ffi::F32> topk_weights,          // [T, K]
                        ffi::Buffer<ffi::S32> num_tokens,            // []
+                       ffi::RemainingArgs /*kept*/,                 // the send's operands (send_stream="own"), or none
                        ffi::Result<ffi::AnyBuffer> out,             // [T, H] out_dtype
                        ffi::Result<ffi::Buffer<ffi::S32>> status,   // the round trip's status (every rank's)
                        int64_t context, int64_t rows_type, int64_t reduced) {
   CombineRecvArgs a{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
                     static_cast<int>(rows_type), row_type(out->element_type()), status->typed_data(), reduced != 0};
-  return with_context(context, "combine_recv", [&](const Context& c) { return launch_combine_recv(c, a, stream); });
+  return with_context(context, "combine_recv", [&](const Context& c) {
+    return after_join(c, stream, [&](cudaStream_t s) { return launch_combine_recv(c, a, s); });
+  });
 }
 
 // The fused dispatch (NVLink path): dispatch_send's arguments, dispatch_recv's results and both statuses.
@@ -133,7 +183,7 @@ ffi::Error Dispatch(cudaStream_t stream,
                         row_origin->typed_data(), recv_status->typed_data(), expert_counts->typed_data()};
   return with_context(context, "dispatch", [&](const Context& c) {
     send.quantize = quantizes(x, c);
-    return launch_dispatch(c, send, recv, stream);
+    return after_join(c, stream, [&](cudaStream_t s) { return launch_dispatch(c, send, recv, s); });
   });
 }
 
@@ -156,7 +206,9 @@ ffi::Error Combine(cudaStream_t stream,
   const bool pre_reduced = reduced != 0;
   CombineRecvArgs recv{topk_ids.typed_data(), topk_weights.typed_data(), num_tokens.typed_data(), out->untyped_data(),
                        pre_reduced ? out_dtype : in_dtype, out_dtype, recv_status->typed_data(), pre_reduced};
-  return with_context(context, "combine", [&](const Context& c) { return launch_combine(c, send, recv, stream); });
+  return with_context(context, "combine", [&](const Context& c) {
+    return after_join(c, stream, [&](cudaStream_t s) { return launch_combine(c, send, recv, s); });
+  });
 }
 
 #ifdef JMC_MEASUREMENT
@@ -235,12 +287,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_send, jmc::DispatchSend,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Arg<ffi::AnyBuffer>()          // after
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
-                                  .Attr<int64_t>("context"));
+                                  .Attr<int64_t>("context")
+                                  .Attr<int64_t>("side_stream"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_dispatch_recv, jmc::DispatchRecv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // send_status
+                                  .RemainingArgs()                // kept
                                   .Ret<ffi::AnyBuffer>()          // expert_x
                                   .Ret<ffi::Buffer<ffi::F32>>()   // expert_scales
                                   .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes
@@ -258,7 +312,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_send, jmc::CombineSend,
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("partial_type")
-                                  .Attr<int64_t>("weights_sent"));
+                                  .Attr<int64_t>("weights_sent")
+                                  .Attr<int64_t>("side_stream"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                               ffi::Ffi::Bind()
@@ -267,6 +322,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_combine_recv, jmc::CombineRecv,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // topk_ids
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_tokens
+                                  .RemainingArgs()                // kept
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::S32>>()   // status
                                   .Attr<int64_t>("context")

@@ -246,8 +246,17 @@ Context* create_context(const Sizes& sizes, const Layout& layout, const std::vec
                   cudaHostGetDevicePointer(reinterpret_cast<void**>(&ctx->host_words), host, 0) == cudaSuccess;
   ctx->host_view = static_cast<HostWords*>(host);
   ctx->host_state = new HostState{};
-  if (!ok) {
-    *error = missing.empty() ? "allocating a context's local words failed" : "the layout lacks " + missing;
+  ctx->side = new SideStream{};
+  int least = 0, greatest = 0;
+  const bool side_ok =
+      cudaDeviceGetStreamPriorityRange(&least, &greatest) == cudaSuccess &&
+      cudaStreamCreateWithPriority(&ctx->side->stream, cudaStreamNonBlocking, greatest) == cudaSuccess &&
+      cudaEventCreateWithFlags(&ctx->side->inputs, cudaEventDisableTiming) == cudaSuccess &&
+      cudaEventCreateWithFlags(&ctx->side->sent, cudaEventDisableTiming) == cudaSuccess;
+  if (!ok || !side_ok) {
+    *error = !missing.empty() ? "the layout lacks " + missing
+             : ok             ? "creating a context's send stream failed"
+                              : "allocating a context's local words failed";
     destroy_context(ctx, /*collective=*/false);
     return nullptr;
   }
@@ -514,6 +523,13 @@ void destroy_context(Context* ctx, bool collective) {
   if (ctx->on_device != nullptr) cudaFree(const_cast<Context*>(ctx->on_device));
   if (ctx->host_view != nullptr) cudaFreeHost(ctx->host_view);
   delete ctx->host_state;
+  if (ctx->side != nullptr) {  // its last send has ended before the buffers it wrote go
+    if (ctx->side->stream != nullptr) cudaStreamSynchronize(ctx->side->stream);
+    if (ctx->side->inputs != nullptr) cudaEventDestroy(ctx->side->inputs);
+    if (ctx->side->sent != nullptr) cudaEventDestroy(ctx->side->sent);
+    if (ctx->side->stream != nullptr) cudaStreamDestroy(ctx->side->stream);
+    delete ctx->side;
+  }
   if (collective) nvshmem_barrier_all();
   nvshmem_free(ctx->base);
   delete ctx;
