@@ -183,6 +183,16 @@ class MoEComm:
         SMs. None (default): no bound; each kernel sizes its grid from its work, up to several blocks per SM. A
         smaller budget makes every round trip slower and leaves more of the GPU to the caller (the bench measures
         both: benchmarks/README.md). The same results bit for bit.
+      send_stream: where the NVSHMEM backend runs the send halves (``dispatch_send``, ``combine_send``), so that
+        what XLA schedules between a send and its receive can run beside it. None (default): on XLA's compute
+        stream in program order (the work between the halves then starts when the send's kernel ends).
+        ``"xla_async"``: XLA's stream annotation (``compute_on("gpu_stream:1")``): each send is an async start/done
+        pair on an XLA stream of its own, XLA keeping its operands live and joining it before its receive.
+        ``"own"``: a stream of this library's, created with the MoEComm: the send starts after what XLA queued
+        before it, its receive makes XLA's stream wait for it and takes its operands (XLA keeps them live until
+        then); these halves are then never captured into command buffers. Pair it with ``max_sms`` so the send
+        leaves SMs to the compute. The fused calls, the backward's round trips (fused) and the reference backend
+        are unchanged. The same results bit for bit.
 
     On the NVSHMEM backend's NVLink path the fused ``dispatch`` and ``combine`` run one kernel each (send, then
     receive), the split halves two; the results are the same.
@@ -208,7 +218,8 @@ class MoEComm:
                  custom_vjp: bool | None = None, grad_dtype: Any = None, check_errors: bool | str = True,
                  timeout_s: float = 30.0, prereduce_min_tokens: int = 64, ids_first_min_tokens: int = 1024,
                  low_latency_max_tokens: int = 0, staged: bool = False,
-                 max_symmetric_bytes: int | None = None, max_sms: int | None = None) -> None:
+                 max_symmetric_bytes: int | None = None, max_sms: int | None = None,
+                 send_stream: str | None = None) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if not isinstance(mesh, Mesh):
@@ -220,7 +231,8 @@ class MoEComm:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         options = Options(check_errors=check_errors, timeout_s=timeout_s, prereduce_min_tokens=prereduce_min_tokens,
                           ids_first_min_tokens=ids_first_min_tokens, low_latency_max_tokens=low_latency_max_tokens,
-                          staged=staged, max_symmetric_bytes=max_symmetric_bytes, max_sms=max_sms)
+                          staged=staged, max_symmetric_bytes=max_symmetric_bytes, max_sms=max_sms,
+                          send_stream=send_stream)
         self.cfg = cfg
         self.mesh = mesh
         self.axis_name = axis_name if isinstance(axis_name, str) else ep_axes  # as given (a list becomes a tuple)

@@ -188,6 +188,7 @@ class MoECommConfig:
 
 
 CHECK_ERRORS = (True, False, "sync")
+SEND_STREAMS = (None, "xla_async", "own")
 
 
 def _threshold(name: str, value: Any) -> int:
@@ -210,6 +211,7 @@ class Options:
     staged: bool = False
     max_symmetric_bytes: int | None = None
     max_sms: int | None = None
+    send_stream: str | None = None
 
     def __post_init__(self) -> None:
         if self.check_errors not in CHECK_ERRORS or not isinstance(self.check_errors, (bool, str)):
@@ -232,6 +234,9 @@ class Options:
             raise ValueError(f"max_sms must be None or a positive int (SMs each kernel may use), got {n!r}")
         if n is not None:
             object.__setattr__(self, "max_sms", int(n))
+        if not (self.send_stream is None or isinstance(self.send_stream, str)) or \
+                self.send_stream not in SEND_STREAMS:
+            raise ValueError(f"send_stream must be one of {SEND_STREAMS}, got {self.send_stream!r}")
 
 
 @dataclasses.dataclass(frozen=True)

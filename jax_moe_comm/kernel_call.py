@@ -40,42 +40,53 @@ kernel_call_p = Primitive("jmc_kernel_call")
 kernel_call_p.multiple_results = True
 
 
-def _abstract_eval(*avals_in, target: str, results: tuple, attributes: tuple):
+def _abstract_eval(*avals_in, target: str, results: tuple, attributes: tuple, passthrough: bool = False):
     del target, attributes
     core.standard_vma_rule("jmc_kernel_call", *avals_in)  # as ffi_call's: results on the current mesh
-    return tuple(r.update(sharding=core.get_cur_mesh_sharding()) if r.sharding.mesh.empty else r
-                 for r in results), {_EFFECT}
+    outs = tuple(r.update(sharding=core.get_cur_mesh_sharding()) if r.sharding.mesh.empty else r for r in results)
+    return outs + (tuple(avals_in) if passthrough else ()), {_EFFECT}
 
 
 kernel_call_p.def_effectful_abstract_eval(_abstract_eval)
 
 
-def _lowering(ctx, *operands, target: str, results: tuple, attributes: tuple):
+def _lowering(ctx, *operands, target: str, results: tuple, attributes: tuple, passthrough: bool = False):
     """ffi_call's lowering, between optimization barriers: XLA:GPU's dynamic-slice fusion clones a custom call whose
     operand is a slice of a loop's buffer (a lax.scan's per-layer inputs) or whose result goes into one (a lax.scan
     stacking residuals for the backward pass, under jax.checkpoint the calls' own results), side effect or not, and
     keeps the original: the kernel then ran twice per iteration. Between barriers (no copy, no kernel) no operand
-    and no result of the call matches such a pattern, whoever uses them."""
-    del results
+    and no result of the call matches such a pattern, whoever uses them.
+
+    ``passthrough``: the operands, as the call received them (after the first barrier, the very buffers it reads),
+    come out after its results through the second barrier, which forwards buffers without copying them: a later
+    call that takes them keeps those buffers live until it runs (a send half on a stream of its own reads them
+    until its receive half)."""
     operands = hlo.OptimizationBarrierOp(operands).results if operands else operands
+    if passthrough:
+        ctx = ctx.replace(avals_out=ctx.avals_out[:len(results)])
     outs = jax.ffi.ffi_lowering(target, has_side_effect=True)(ctx, *operands, **dict(attributes))
+    outs = [*outs, *operands] if passthrough else outs
     return hlo.OptimizationBarrierOp(outs).results if outs else outs
 
 
 mlir.register_lowering(kernel_call_p, _lowering, platform="cuda")
 
 
-def kernel_call(target: str, results: Any, *args, **attributes) -> Any:
+def kernel_call(target: str, results: Any, *args, _passthrough: bool = False, **attributes) -> Any:
     """``jax.ffi.ffi_call(target, results, has_side_effect=True)(*args, **attributes)`` on this primitive. `results`:
-    a ShapeDtypeStruct or a sequence of them (the result then a list); attributes: numpy scalars."""
+    a ShapeDtypeStruct or a sequence of them (the result then a list); attributes: numpy scalars. `_passthrough`:
+    returns (results, the operands as the call read them) (see _lowering)."""
     # Operands varying over different manual axes (shard_map) are made to vary over all of them, as a primitive's
     # operands must (a no-op in the program).
     vma = frozenset().union(*(varying_axes(a) for a in args))
     args = tuple(varying_over(a, vma) for a in args)
     many = isinstance(results, Sequence)
     avals = tuple(core.shaped_abstractify(r).update(dtype=r.dtype) for r in (results if many else (results,)))
-    outs = kernel_call_p.bind(*args, target=target, results=avals, attributes=tuple(sorted(attributes.items())))
-    return list(outs) if many else outs[0]
+    outs = kernel_call_p.bind(*args, target=target, results=avals, attributes=tuple(sorted(attributes.items())),
+                              passthrough=_passthrough)
+    outs, kept = outs[:len(avals)], tuple(outs[len(avals):])
+    outs = list(outs) if many else outs[0]
+    return (outs, kept) if _passthrough else outs
 
 
 def varying_axes(a) -> frozenset:

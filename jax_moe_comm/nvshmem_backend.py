@@ -27,12 +27,16 @@ from .types import CombineHandle, Dispatched, pytree_dataclass
 MAX_EXPERTS_PER_TOKEN = 32  # combine_recv keeps a token's live slots in one 32-bit mask
 CHECK_LAG = 2  # round trips between a failure and the check that raises it (ffi/handlers.cu, Check)
 _registered = False
+# The split halves, registered a second time for send_stream="own" (see _register_targets).
+_OWN_STREAM_PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
 def _register_targets() -> None:
     """Registers the handlers with XLA (once per process). The kernels' handlers are declared command-buffer
     compatible, so XLA may capture them into CUDA graphs with the surrounding work (fewer launches; see
-    benchmarks/NOTES.md). The check handler is not: it must run on the host at every execution."""
+    benchmarks/NOTES.md). The check handler is not: it must run on the host at every execution. Nor are the split
+    halves' "_own" targets (send_stream="own"): a send forked onto the library's stream and joined by its receive
+    cannot be captured (ffi/handlers.cu, forked), so XLA runs them outside command buffers."""
     global _registered
     if not _registered:
         from jax._src.lib import xla_client
@@ -41,6 +45,8 @@ def _register_targets() -> None:
         for name, capsule in _native.ext.handlers().items():
             jax.ffi.register_ffi_target(f"jmc_{name}", capsule, platform="CUDA",
                                         **({} if name == "check" else compatible))
+            if name in _OWN_STREAM_PHASES:  # send_stream="own": the same handlers, never in a command buffer
+                jax.ffi.register_ffi_target(f"jmc_{name}_own", capsule, platform="CUDA")
         errors.give_texts_to(_native.ext)
         _registered = True
 
@@ -386,6 +392,7 @@ class PendingDispatch:
     num_tokens: Array
     topk_weights: Array | None = None  # given to dispatch_send: into the handle
     deferred: tuple | None = None  # windowed plans: (x, scales, after), for the fused dispatch that dispatch_recv runs
+    kept: tuple = ()  # send_stream="own": the send's operands, live until dispatch_recv (its operands)
 
 
 @pytree_dataclass(static=("rows_type", "reduced", "weights_sent"))
@@ -400,6 +407,7 @@ class PendingCombine:
     reduced: bool  # static: one pre-reduced row per (token, expert rank) instead of one per slot
     deferred: tuple | None = None  # windowed plans: (expert_y, row_origin), for the fused combine of combine_recv
     weights_sent: bool = False  # static, windowed plans: the dispatch stored the weights everywhere
+    kept: tuple = ()  # send_stream="own": the send's operands, live until combine_recv (its operands)
 
 
 _STATUS = jax.ShapeDtypeStruct((errors.STATUS_WORDS,), jnp.int32)
@@ -418,6 +426,36 @@ def _call(name: str, results, plan: Plan, *args, **attrs):
     return _varying(outs, args, plan.geo.axis_name)
 
 
+def _send_call(name: str, plan: Plan, *args, **attrs) -> tuple[Array, tuple]:
+    """A send half's call: (its status, the operands its receive must keep live: none but with send_stream="own").
+    Its stream is MoEComm's send_stream: XLA's compute stream (None); an XLA stream of its own by XLA's stream
+    annotation, an async start/done pair ("xla_async"); or the library's stream, the handlers' `side_stream`
+    ("own": targets outside command buffers, see _register_targets)."""
+    mode = plan.geo.options.send_stream
+    if mode == "own":
+        status, kept = kernel_call(f"jmc_{name}_own", _STATUS, *args, _passthrough=True, context=np.int64(plan.ctx),
+                                   side_stream=np.int64(1), **attrs)
+        return _varying(status, args, plan.geo.axis_name), kept
+    call = functools.partial(_call, name, _STATUS, plan, side_stream=np.int64(0), **attrs)
+    return (on_xla_stream(call, *args) if mode == "xla_async" else call(*args)), ()
+
+
+def on_xla_stream(f, *args, stream: int = 1):
+    """f(*args) in XLA's stream annotation (``compute_on("gpu_stream:<stream>")``): XLA wraps the call into an async
+    start/done pair run on that stream (XLA:GPU; elsewhere the annotation is ignored). jax 0.10 names the function
+    form ``compute_on2``, jax 0.11 ``compute_on``."""
+    from jax._src import core
+    from jax.experimental import compute_on as module
+
+    wrap = getattr(module, "compute_on2", None) or module.compute_on
+    return wrap(f, compute_type=f"gpu_stream:{stream}", out_memory_spaces=core.MemorySpace.Device)(*args)
+
+
+def _recv_target(name: str, kept: tuple) -> str:
+    """A receive half's target: the "_own" one when its send was forked onto the library's stream (`kept`)."""
+    return f"{name}_own" if kept else name
+
+
 def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
                   topk_weights: Array | None = None, after: Array | None = None) -> PendingDispatch:
     """after: an array the call must run after (its operand, never read; see _after_arg). On a windowed plan nothing
@@ -425,9 +463,9 @@ def dispatch_send(plan: Plan, x: Array, topk_ids: Array, scales: Array | None, n
     if plan.windowed:
         status = _varying(jnp.zeros((errors.STATUS_WORDS,), jnp.int32), (x, topk_ids), plan.geo.axis_name)
         return PendingDispatch(status, topk_ids, num_tokens, topk_weights, (x, scales, after))
-    status = _call("dispatch_send", _STATUS, plan, x, _scales_arg(plan, scales), topk_ids, num_tokens,
-                   _sent_weights_arg(plan, topk_weights), _after_arg(plan, x, after))
-    return PendingDispatch(status, topk_ids, num_tokens, topk_weights)
+    status, kept = _send_call("dispatch_send", plan, x, _scales_arg(plan, scales), topk_ids, num_tokens,
+                              _sent_weights_arg(plan, topk_weights), _after_arg(plan, x, after))
+    return PendingDispatch(status, topk_ids, num_tokens, topk_weights, kept=kept)
 
 
 def _after_arg(plan: Plan, x: Array, after: Array | None) -> Array:
@@ -487,7 +525,8 @@ def _dispatched(plan: Plan, received, topk_ids: Array, num_tokens: Array, topk_w
 def dispatch_recv(plan: Plan, p: PendingDispatch) -> Dispatched:
     if p.deferred is not None:
         return dispatch(plan, p.deferred[0], p.topk_ids, p.deferred[1], p.num_tokens, p.topk_weights, p.deferred[2])
-    *received, status = _call("dispatch_recv", _received(plan) + (_STATUS,), plan, p.status)
+    *received, status = _call(_recv_target("dispatch_recv", p.kept), _received(plan) + (_STATUS,), plan,
+                              p.status, *p.kept)
     return _dispatched(plan, received, p.topk_ids, p.num_tokens, p.topk_weights, p.status, status)
 
 
@@ -533,10 +572,10 @@ def _combine_send(plan: Plan, expert_y: Array, handle: CombineHandle, topk_weigh
                               row_type(partial if reduced else expert_y.dtype), reduced, (expert_y, handle.row_origin),
                               sent)
     weights = topk_weights.astype(jnp.float32) if reduced else jnp.zeros((0,), jnp.float32)
-    status = _call("combine_send", _STATUS, plan, expert_y, handle.row_origin, weights,
-                   partial_type=np.int64(row_type(partial)), weights_sent=np.int64(sent))
+    status, kept = _send_call("combine_send", plan, expert_y, handle.row_origin, weights,
+                              partial_type=np.int64(row_type(partial)), weights_sent=np.int64(sent))
     return PendingCombine(status, handle.topk_ids, handle.num_tokens, topk_weights,
-                          row_type(partial if reduced else expert_y.dtype), reduced)
+                          row_type(partial if reduced else expert_y.dtype), reduced, kept=kept)
 
 
 def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array | None) -> Array:
@@ -548,8 +587,9 @@ def combine_recv(plan: Plan, q: PendingCombine, topk_weights: Array | None) -> A
         return _fused_combine(plan, expert_y, row_origin, q.topk_ids, weights, q.num_tokens, q.reduced,
                               q.weights_sent)
     results = (jax.ShapeDtypeStruct((cfg.max_tokens, cfg.hidden), cfg.out_dtype), _STATUS)
-    y, status = _call("combine_recv", results, plan, q.status, q.topk_ids, weights.astype(jnp.float32), q.num_tokens,
-                      rows_type=np.int64(q.rows_type), reduced=np.int64(q.reduced))
+    y, status = _call(_recv_target("combine_recv", q.kept), results, plan, q.status, q.topk_ids,
+                      weights.astype(jnp.float32), q.num_tokens, *q.kept, rows_type=np.int64(q.rows_type),
+                      reduced=np.int64(q.reduced))
     return _checked(plan, y, status)
 
 

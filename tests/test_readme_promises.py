@@ -371,7 +371,7 @@ def test_minus_one_is_an_unused_slot(rng):
 README_DEFAULTS = {
     "backend": "auto", "custom_vjp": None, "grad_dtype": None, "check_errors": True, "timeout_s": 30.0,
     "prereduce_min_tokens": 64, "ids_first_min_tokens": 1024, "low_latency_max_tokens": 0, "staged": False,
-    "max_symmetric_bytes": None, "max_sms": None, "batch_axes": None,
+    "max_symmetric_bytes": None, "max_sms": None, "send_stream": None, "batch_axes": None,
 }
 RESOLVED = {"backend", "custom_vjp", "batch_axes"}  # documented as resolved choices ("auto", None: ...)
 
@@ -395,7 +395,7 @@ def test_options_shown_in_repr():
             assert f"{name}={default!r}" in text, f"{name}: repr {text}"
     assert "backend='reference'" in text  # "auto" on CPU: "nvshmem if initialized", else reference
     changed = dict(check_errors="sync", timeout_s=5.0, prereduce_min_tokens=2, ids_first_min_tokens=3,
-                   low_latency_max_tokens=7, staged=True, max_sms=4, custom_vjp=True)
+                   low_latency_max_tokens=7, staged=True, max_sms=4, send_stream="own", custom_vjp=True)
     text = repr(jmc.MoEComm(cfg, ep_mesh(4), "ep", backend="reference", **changed))
     for name, value in changed.items():
         assert f"{name}={value!r}" in text, f"{name}={value!r} not shown in repr: {text}"
@@ -412,6 +412,8 @@ OPTION_VARIANTS = [
     dict(low_latency_max_tokens=4096),
     dict(staged=True),
     dict(max_sms=1),
+    dict(send_stream="xla_async"),
+    dict(send_stream="own"),
     dict(max_symmetric_bytes=4096),
 ]
 OPTION_COMBOS = [  # several non-defaults at once (float32, tight tolerance)
