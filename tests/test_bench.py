@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_moe_comm import bench
 from jax_moe_comm.bench import baselines
+from jax_moe_comm.bench.record import format_table
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = {"backend", "config", "tokens", "dispatch_us", "combine_us", "total_us", "gbps"}
@@ -357,6 +358,21 @@ def test_the_overlap_mode_times_compute_between_the_split_halves(tmp_path):
     assert ref["hidden_us"] == pytest.approx(ref["total_us"] + ref["compute_us"] - ref["overlapped_us"], abs=2e-3)
     assert ref["dispatch_us"] is None and ref["combine_us"] is None, ref  # no halves
     assert "split halves" in rows["padded"]["error"] and rows["padded"]["total_us"] is None
+
+
+def test_the_overlap_mode_times_every_send_stream_unless_told():
+    """--overlap times the NVSHMEM rows with every MoEComm(send_stream=...) side by side (none: XLA's stream), or
+    those of --send-streams, or the one of --option send_stream=...; --send-streams alone is refused."""
+    assert bench.parse_args(["--overlap"]).send_streams == [None, "own", "xla_async"]
+    assert bench.parse_args(["--overlap", "--send-streams", "own,none"]).send_streams == ["own", None]
+    assert bench.parse_args(["--overlap", "--option", "send_stream='own'"]).send_streams == ["own"]
+    assert bench.parse_args([]).send_streams == [None]
+    for argv in (["--send-streams", "own"], ["--overlap", "--send-streams", "side"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+    text = format_table([{"config": "r1", "tokens": 8, "backend": "nvshmem", "send_stream": "own",
+                                "total_us": 1.0, "overlapped_us": 2.0}])
+    assert "nvshmem/own" in text
 
 
 def test_the_overlap_mode_refuses_the_backward_mode():

@@ -52,6 +52,31 @@ def parse_option(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(f"{name}: {value!r} is not a Python literal") from None
 
 
+SEND_STREAM_NAMES = ("none", "own", "xla_async")  # MoEComm's send_stream values, None written "none"
+SEND_STREAM_BACKENDS = ("nvshmem", UNCHECKED, QUANTIZE)  # where send_stream changes anything
+
+
+def send_streams(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str | None]:
+    """The send_stream values each NVSHMEM row of --overlap is timed with ([None] without --overlap, or with
+    send_stream among the --option's)."""
+    if args.send_streams is not None and args.overlap is None:
+        p.error("--send-streams goes with --overlap")
+    if args.overlap is None or "send_stream" in args.options:
+        return [args.options.get("send_stream")]
+    names = [n.strip() for n in (args.send_streams or ",".join(SEND_STREAM_NAMES)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in SEND_STREAM_NAMES]
+    if unknown or not names:
+        p.error(f"--send-streams: unknown {unknown}; choose from {','.join(SEND_STREAM_NAMES)}")
+    return [None if n == "none" else n for n in dict.fromkeys(names)]
+
+
+def with_send_stream(args: argparse.Namespace, name: str, stream: str | None) -> argparse.Namespace:
+    """args, with MoEComm(send_stream=stream) for an NVSHMEM backend's row (unchanged for the others)."""
+    if name not in SEND_STREAM_BACKENDS or args.options.get("send_stream") == stream:
+        return args
+    return argparse.Namespace(**{**vars(args), "options": {**args.options, "send_stream": stream}})
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jax_moe_comm.bench", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,6 +105,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="time a round trip with compute between the dispatch's split halves (a shared expert of "
                         f"width FFN over the tokens, default {SHARED_EXPERT_FFN}: R1's), beside the round trip and "
                         "the compute alone; hidden_us is what the overlap saved. MoEComm backends; no halves")
+    p.add_argument("--send-streams", default=None, metavar="LIST",
+                   help="with --overlap: MoEComm(send_stream=...) values timed side by side on the NVSHMEM backends, "
+                        f"comma-separated, of {','.join(SEND_STREAM_NAMES)} (default all: none is XLA's stream, "
+                        "today's); rows name theirs as backend/mode")
     p.add_argument("--json", default=None, help="write the record (see benchmarks/README.md) to this path")
     p.add_argument("--plot", default=None, help="write a PNG: latency vs tokens per backend, log-log")
     p.add_argument("--quick", action="store_true",
@@ -105,6 +134,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--chain must be >= 2")
     if args.overlap is not None and (args.overlap < 1 or args.backward):
         p.error("--overlap takes a positive shared-expert width and times forward round trips (not --backward)")
+    args.send_streams = send_streams(p, args)
     if args.repeats < 1 or any(t < 1 for t in args.tokens):
         p.error("--repeats and --tokens must be positive")
     return args
@@ -165,7 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
 
-    progress = Progress(len(args.config_list) * len(args.tokens) * len(backends), leader)
+    def streams_of(name: str) -> list[str | None]:  # --overlap: the send streams this backend's rows are timed with
+        return args.send_streams if name in SEND_STREAM_BACKENDS else [args.options.get("send_stream")]
+
+    progress = Progress(len(args.config_list) * len(args.tokens) * sum(len(streams_of(b)) for b in backends), leader)
     for ci, cfg in enumerate(args.config_list):
         for tokens in args.tokens:
             n_rows = world * tokens
@@ -182,14 +215,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             expected = {"numpy": expected_round_trip(cfg, x_host, scales_host, ids0, w0)}
             for name in backends:
                 if name in why_not:
-                    row = Row(name, cfg.name, tokens, error=f"unavailable: {why_not[name]}")
+                    rows = [Row(name, cfg.name, tokens, error=f"unavailable: {why_not[name]}")]
                 elif cfg.experts % world:
-                    row = Row(name, cfg.name, tokens, error=f"{cfg.experts} experts do not divide over {world} ranks")
+                    why = f"{cfg.experts} experts do not divide over {world} ranks"
+                    rows = [Row(name, cfg.name, tokens, error=why)]
                 else:
-                    row = bench_backend(name, cfg, tokens, mesh, inputs, args, expected)
-                record["rows"].append(row.record())
-                progress.step(f"{cfg.name} tokens={tokens} {name}: "
-                              + (f"{row.total_us:.1f} us" if row.total_us is not None else "error"))
+                    rows = [bench_backend(name, cfg, tokens, mesh, inputs, with_send_stream(args, name, stream),
+                                          expected) for stream in streams_of(name)]
+                for row, stream in zip(rows, streams_of(name) if len(rows) > 1 else [None], strict=True):
+                    row.send_stream = None if len(rows) == 1 else stream or "none"
+                    record["rows"].append(row.record())
+                    progress.step(f"{cfg.name} tokens={tokens} {row.backend}"
+                                  + (f"/{row.send_stream}" if row.send_stream else "") + ": "
+                                  + (f"{row.total_us:.1f} us" if row.total_us is not None else "error"))
             del inputs, expected
             write_json()
     progress.close()

@@ -103,6 +103,7 @@ class Row:
     rel_err: float | None = None
     error: str | None = None
     note: str | None = None  # e.g. a time below this machine's timing resolution
+    send_stream: str | None = None  # --overlap: the MoEComm's send_stream of this row (None: XLA's stream)
 
     def record(self) -> dict:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("error", "note")}

@@ -43,7 +43,8 @@ def format_table(rows: list[dict]) -> str:
     def num(v, digits=1):
         return "-" if v is None else f"{v:.{digits}f}"
 
-    lines = [(r["config"], str(r["tokens"]), r["backend"], *(num(r.get(t)) for t in times), num(r.get("gbps"), 2),
+    label = lambda r: r["backend"] + (f"/{r['send_stream']}" if r.get("send_stream") else "")  # noqa: E731
+    lines = [(r["config"], str(r["tokens"]), label(r), *(num(r.get(t)) for t in times), num(r.get("gbps"), 2),
               (r.get("error") or r.get("note") or "")[:70])
              for r in rows]
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
