@@ -314,6 +314,68 @@ def sm_budget(case, sms: int):
     return with_options(case, f"SM budget {sms}", max_sms=sms)
 
 
+def send_stream(case, mode: str):
+    """Every MoEComm of `case` with send_stream=mode: its send halves on XLA's stream annotation ("xla_async") or on
+    the library's own stream ("own"), beside what runs between them."""
+    return with_options(case, f"send_stream={mode}", send_stream=mode)
+
+
+def case_send_stream_layers(mesh, seed, mode: str, layers: int = 3):
+    """Split halves with a shared expert between them, in a lax.scan over checkpointed layers in one jit: the forward
+    and the gradient (x and the shared experts' weights, through the shared experts; the halves' inputs
+    stop_gradient'ed, split halves having no gradient of their own, so the backward recomputes every round trip)
+    with send_stream=mode equal those with send_stream=None bit for bit, twice each, and the reference backend's."""
+    world = mesh.shape["ep"]
+    T, H, E, K = 32, 128, 16, 4
+    cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
+    rng = np.random.default_rng(seed)
+    x = to_global(mesh, rng.standard_normal((world * T, H)).astype(np.float32))
+    ids = to_global_layers(mesh, np.stack([routing(rng, "uniform", world * T, cfg, world) for _ in range(layers)]))
+    w = to_global_layers(mesh, rng.random((layers, world * T, K)).astype(np.float32) / K)
+    # The shared experts' weights once per rank (sharded, not replicated: the gradient of a replicated input would
+    # be summed over the ranks by an XLA collective, which processes sharing one GPU cannot run).
+    one = rng.standard_normal((1, layers, H, H)).astype(np.float32) / np.sqrt(H)
+    mats = to_global(mesh, np.broadcast_to(one, (world, layers, H, H)).copy())
+    results = {}
+    for label, backend, mode_here in (("none", "nvshmem", None), (mode, "nvshmem", mode),
+                                      ("reference", "reference", None)):
+        comm = make_comm(cfg, mesh, backend, send_stream=mode_here)
+
+        def model(x, ids, w, mats, comm=comm):
+            def layer(h, xs):
+                ids_l, w_l, m = xs
+                p = comm.dispatch_send(jax.lax.stop_gradient(h), ids_l)
+                shared = jnp.tanh(h @ m)  # between the halves: beside the send with a send_stream
+                d = comm.dispatch_recv(p)
+                q = comm.combine_send(d.expert_x * 0.9 + 0.1, d.handle, jax.lax.stop_gradient(w_l))
+                shared = jnp.tanh(shared @ m)
+                return comm.combine_recv(q) + shared, None
+            return jax.lax.scan(jax.checkpoint(layer), x, (ids, w, mats))[0]
+
+        def loss(x, ids, w, mats, model=model):  # this rank's: no collective in the gradient
+            y = model(x, ids, w, mats)
+            return (y * y).sum(), y
+
+        def per_shard(x, ids, w, mats, loss=loss):
+            (value, y), (dx, dmats) = jax.value_and_grad(loss, argnums=(0, 3), has_aux=True)(x, ids, w, mats[0])
+            return value[None], y, dx, dmats[None]
+
+        f = jax.jit(jax.shard_map(per_shard, mesh=comm.mesh, in_specs=(P("ep"), P(None, "ep"), P(None, "ep"),
+                                                                       P("ep")), out_specs=P("ep")))
+        args = on(comm, x, ids, w, mats)
+        first, again = gather(f(*args)), gather(f(*args))
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), f"{label}: the second call differs from the first"
+        results[label] = [np.asarray(a) for a in jax.tree.leaves(first)]
+        comm.close()
+    for a, b in zip(results[mode], results["none"], strict=True):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"send_stream={mode} differs from None"
+    errs = [float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+            for a, b in zip(results[mode], results["reference"], strict=True)]
+    assert max(errs) < 1e-4, f"against the reference: rel errs {errs}"
+    return f"bit-equal to send_stream=None; against the reference max rel err {max(errs):.1e}"
+
+
 def windowed(case, slots: int):
     """Every MoEComm of `case` with a max_symmetric_bytes that leaves it a window of `slots` slots per source (an even
     split of its slots, as MoEComm makes windows): its rows travel in rounds (max_tokens / slots of them, rounded
@@ -969,19 +1031,29 @@ def case_bad_ids_in_a_chain(mesh, seed, sync: bool = False):
         comm.close()
 
 
-def case_one_rank_faults(mesh, seed, fault):
+def case_one_rank_faults(mesh, seed, fault, split=False):
     """A fault on one process, every process raising the same error once: "bad id" (the last rank's token 3 names
     expert 99) or "late" (the last process calls 2.5 timeouts after the others). The failed call gives NaN on every
     rank; the next call raises the same message on every process; after that (a reset for a protocol failure) a
-    round trip is correct again, with no second raise."""
+    round trip is correct again, with no second raise. split: the round trip in split halves with compute between
+    them (where send_stream acts)."""
     world = mesh.shape["ep"]
     if world < 2:
         raise Skip("needs two ranks")
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
     comm = make_comm(cfg, mesh, "nvshmem", timeout_s=2)
 
+    def halves(x, i, w):
+        p = comm.dispatch_send(x, i)
+        busy = jnp.tanh(x @ x.T).sum()  # between the halves
+        d = comm.dispatch_recv(p)
+        q = comm.combine_send(d.expert_x, d.handle, w)
+        return comm.combine_recv(q) + 0 * busy
+
     @jax.jit
     def step(x, i, w):
+        if split:
+            return jax.shard_map(halves, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(x, i, w)
         d = jmc.dispatch(comm, x, i)
         return jmc.combine(comm, d.expert_x, d.handle, w)
 
@@ -1279,6 +1351,17 @@ def main() -> int:
         ("bad expert id in a chain, check_errors='sync'", lambda s: case_bad_ids_in_a_chain(mesh, s, sync=True)),
         ("fault on one process: a bad id", lambda s: case_one_rank_faults(mesh, s, "bad id")),
         ("fault on one process: late by 2.5 timeouts", lambda s: case_one_rank_faults(mesh, s, "late")),
+        # MoEComm(send_stream=...): the send halves beside the compute between them.
+        *[(f"send_stream {m}: scan over checkpointed layers, grad, shared expert between the halves",
+           lambda s, m=m: case_send_stream_layers(mesh, s, m)) for m in ("own", "xla_async")],
+        *[(f"send_stream {m}: fp8+scales K8", lambda s, m=m: send_stream(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128)), m)) for m in ("own", "xla_async")],
+        ("send_stream own: staged puts, weights with dispatch", lambda s: send_stream(lambda: staged_puts(
+            lambda: run_case(mesh, s, "", C(8, 2, 64, 16, dtype=bf16), weights_to="dispatch")), "own")),
+        ("send_stream own: SM budget 2, quantize", lambda s: send_stream(lambda: sm_budget(lambda: run_case(
+            mesh, s, "", C(32, 8, 512, 16, dtype=fp8, scale_block=128), quantize=True), 2), "own")),
+        *[(f"send_stream {m}: split halves, one process late by 2.5 timeouts", lambda s, m=m: send_stream(
+            lambda: case_one_rank_faults(mesh, s, "late", split=True), m)) for m in ("own", "xla_async")],
         # Last: the timeouts (3 s each from here on).
         ("timeout (the other ranks skip)", lambda s: case_timeout(mesh, s)),
         ("ids first: timeout (the other ranks skip)", lambda s: ids_first(lambda: case_timeout(mesh, s))),
