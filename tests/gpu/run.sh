@@ -15,6 +15,9 @@
 #   BOOTSTRAP=auto|nvshmem4py|extension  jax_moe_comm.initialize's bootstrap in the cases
 #   RANKS=1                     the cases, BENCH, TRACE and MARKS on one GPU (world 1: no peer; default 2)
 #   BENCH_SINGLE="args"         the bench in one process driving both GPUs (the ragged baseline needs that)
+#   OVERLAP_PROBE="args"        tests/gpu/overlap_probe.py on GPU 0 ("1": its defaults, R1 rows at 4096 tokens, max_sms
+#                               24): whether each MoEComm(send_stream=...) runs the send beside the GEMM between the
+#                               halves (timings, a trace's kernel overlap, the verdicts; its JSON under $OUT)
 #   TRACE="args;args"           benchmarks/trace_round_trip.py (GPU time per kernel), once per argument list
 #   MARKS="1,128"               the kernel harness's step-by-step kernel timings (R1, those tokens per rank; the
 #                               measurement build); MARKS_ENVS="A=1;B=2" repeats them under each of those environments
@@ -191,6 +194,17 @@ if [ -n "${BENCH_SINGLE:-}" ]; then  # one process driving both GPUs (the ragged
   step "bench, one process: $BENCH_SINGLE"
   timeout 400 python3 -m jax_moe_comm.bench $BENCH_SINGLE > "$LOGS/bench_single.log" 2>&1
   tail -25 "$LOGS/bench_single.log" | tee -a "$OUT/summary.txt"
+fi
+if [ -n "${OVERLAP_PROBE:-}" ]; then  # traces and optimized HLO into the logs, the JSON records into $OUT
+  step "overlap probe: $OVERLAP_PROBE"
+  probe_args=$([ "$OVERLAP_PROBE" = 1 ] || echo "$OVERLAP_PROBE")
+  CUDA_VISIBLE_DEVICES=0 timeout 400 python3 tests/gpu/overlap_probe.py $probe_args --out "$LOGS/overlap_probe" \
+    > "$LOGS/overlap_probe.log" 2>&1
+  rc=$?
+  grep -E "^(\[flag|VERDICT)" "$LOGS/overlap_probe.log" | tee -a "$OUT/summary.txt"
+  cp "$LOGS"/overlap_probe/*.json "$OUT/" 2>/dev/null
+  [ "$rc" = 0 ] || tail -20 "$LOGS/overlap_probe.log" | tee -a "$OUT/summary.txt"
+  step "overlap probe exit code $rc"
 fi
 if [ -n "${TRACE:-}" ]; then  # ';'-separated argument lists for benchmarks/trace_round_trip.py
   IFS=';' read -ra traces <<< "$TRACE"
