@@ -22,7 +22,20 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+import jax_moe_comm  # noqa: E402
+
 NUM_DEVICES = 8
+
+# The package under test: the installed one (site-packages) when the suite runs against a wheel, the source tree in an
+# editable install. Child processes get PACKAGE_HOME on PYTHONPATH and start in CHILD_CWD, so they run that same copy
+# (a child started in the source tree with -m would import the tree's package, not the installed one).
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE_HOME = Path(jax_moe_comm.__file__).resolve().parent.parent
+CHILD_CWD = REPO if PACKAGE_HOME == REPO else REPO / "tests"
+
+
+def pytest_report_header(config):
+    return f"jax_moe_comm under test: {Path(jax_moe_comm.__file__).resolve().parent}"
 
 
 # Meshes -----------------------------------------------------------------------------------------------------
@@ -189,7 +202,7 @@ def standalone_cpu_env() -> dict[str, str]:
     """Environment for a package tool run as a subprocess: this one minus the 8-device XLA_FLAGS above and any
     outer launcher's JAX_* wiring, on the CPU platform (the tool then sets up its own devices)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = str(PACKAGE_HOME)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import CHILD_CWD, PACKAGE_HOME
 from jax.sharding import PartitionSpec as P
 
 from jax_moe_comm import bench
@@ -39,10 +40,11 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = {k: v for k, v in os.environ.items()
            if k != "XLA_FLAGS" and not k.startswith("JAX_") or k == "JAX_ENABLE_X64"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.update(JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_HOME), env.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "jax_moe_comm.bench", "--quick", "--backends", "reference,padded,ragged",
            "--json", str(out / "tmp.json"), "--plot", str(out / "tmp.png")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=CHILD_CWD, env=env, capture_output=True, text=True, timeout=600)
     print(proc.stdout[-5000:])
     print(proc.stderr[-5000:], file=sys.stderr)
     return proc, out
@@ -85,10 +87,11 @@ def test_the_backward_mode_times_and_checks_forward_and_backward_round_trips(tmp
     weights is checked against the reference backend's (plain AD), and the record says which mode it holds."""
     env = {k: v for k, v in os.environ.items()
            if k != "XLA_FLAGS" and not k.startswith("JAX_") or k == "JAX_ENABLE_X64"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.update(JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_HOME), env.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "jax_moe_comm.bench", "--quick", "--backward", "--configs", "v2lite",
            "--backends", "reference,padded", "--json", str(tmp_path / "backward.json")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=CHILD_CWD, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "backward.json").read_text())
     assert record["backward"] is True and "forward + backward" in proc.stdout
@@ -344,10 +347,11 @@ def test_the_overlap_mode_times_compute_between_the_split_halves(tmp_path):
     third; a backend without split halves says so instead of a time."""
     env = {k: v for k, v in os.environ.items()
            if k != "XLA_FLAGS" and not k.startswith("JAX_") or k == "JAX_ENABLE_X64"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.update(JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_HOME), env.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "jax_moe_comm.bench", "--quick", "--overlap", "64", "--configs", "v2lite",
            "--backends", "reference,padded", "--json", str(tmp_path / "overlap.json")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=CHILD_CWD, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "overlap.json").read_text())
     assert record["overlap"] == 64 and "hidden_us" in proc.stdout

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import standalone_cpu_env
+from conftest import CHILD_CWD, standalone_cpu_env
 
 from jax_moe_comm.examples import decode
 
@@ -31,7 +31,7 @@ def _run(*args: str, devices: int | None = None) -> subprocess.CompletedProcess[
     env = standalone_cpu_env()
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return subprocess.run([sys.executable, "-m", "jax_moe_comm.examples.decode", *args], env=env, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "jax_moe_comm.examples.decode", *args], env=env, cwd=CHILD_CWD,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import CHILD_CWD, PACKAGE_HOME
 
 from jax_moe_comm.launch import LaunchError, parse_args
 
@@ -28,7 +29,7 @@ TIMEOUT_S = 30
 def _env() -> dict[str, str]:
     """Our environment minus anything that would leak into the workers (conftest's XLA_FLAGS, an outer launch)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_HOME), str(REPO / "tests")])
     return env
 
 
@@ -37,7 +38,7 @@ def _launcher(*args: str) -> list[str]:
 
 
 def _run(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_launcher(*args), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(_launcher(*args), env=_env(), cwd=CHILD_CWD, capture_output=True, text=True, timeout=timeout)
 
 
 def _free_port() -> int:
@@ -79,7 +80,7 @@ def test_two_nodes_one_process_each() -> None:
         subprocess.Popen(
             _launcher("--nnodes", "2", "--node-rank", str(node), "-n", "1", "--coordinator", coordinator, "--cpu",
                       "--", CHILD, "allgather", "2"),
-            env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=_env(), cwd=CHILD_CWD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for node in (0, 1)
     ]  # fmt: skip
@@ -127,7 +128,7 @@ def test_environment_and_arguments() -> None:
 def test_module_mode_and_gpu_assignment() -> None:
     # Without --cpu each worker gets one GPU, taken from the launcher's CUDA_VISIBLE_DEVICES when that is set.
     env = {**_env(), "CUDA_VISIBLE_DEVICES": "5,7"}
-    r = subprocess.run(_launcher("--", "-m", "launch_child", "env"), env=env, cwd=REPO, capture_output=True,
+    r = subprocess.run(_launcher("--", "-m", "launch_child", "env"), env=env, cwd=CHILD_CWD, capture_output=True,
                        text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     out = _lines(r.stdout)
@@ -137,7 +138,7 @@ def test_module_mode_and_gpu_assignment() -> None:
 
 
 def _start_sleepers() -> subprocess.Popen[str]:
-    proc = subprocess.Popen(_launcher("-n", "2", "--cpu", "--", CHILD, "sleep"), env=_env(), cwd=REPO,
+    proc = subprocess.Popen(_launcher("-n", "2", "--cpu", "--", CHILD, "sleep"), env=_env(), cwd=CHILD_CWD,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout is not None
     for _ in range(2):
@@ -212,7 +213,7 @@ def _run_pair(argv_of, env_of) -> list[str]:
     with tempfile.TemporaryDirectory() as logs:
         files = [(open(f"{logs}/{i}.out", "w+"), open(f"{logs}/{i}.err", "w+")) for i in range(2)]
         procs = [subprocess.Popen([sys.executable, CHILD, *argv_of(i)], env={**base, "JAX_PLATFORMS": "cpu",
-                                  "PYTHONPATH": str(REPO), **env_of(i)}, stdout=out, stderr=err, text=True)
+                                  "PYTHONPATH": str(PACKAGE_HOME), **env_of(i)}, stdout=out, stderr=err, text=True)
                  for i, (out, err) in enumerate(files)]
         try:
             deadline = time.time() + 120

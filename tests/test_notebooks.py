@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import PACKAGE_HOME
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -49,7 +50,7 @@ def test_notebook_runs_and_has_no_committed_outputs(path: Path, tmp_path: Path, 
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # the kernel inherits this process's environment
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", str(PACKAGE_HOME))
 
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=TIMEOUT_S,
                                      resources={"metadata": {"path": str(path.parent)}})

@@ -18,7 +18,8 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-COMPILED = {"jax_moe_comm._nvshmem_ext"}  # the CUDA extension: imports nothing of the package
+# The CUDA extension and the file the build writes beside it: they import nothing of the package.
+COMPILED = {"jax_moe_comm._nvshmem_ext", "jax_moe_comm._build_config"}
 
 
 def imported_modules(name: str, path: Path) -> set[str]:

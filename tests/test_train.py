@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import ep_mesh, standalone_cpu_env
+from conftest import CHILD_CWD, ep_mesh, standalone_cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
@@ -25,7 +25,7 @@ STEPS = 30
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "jax_moe_comm.examples.train", *args], env=standalone_cpu_env(),
-                          cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+                          cwd=CHILD_CWD, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def test_training_on_8_cpu_devices_lowers_the_loss(tmp_path: Path) -> None:

@@ -50,6 +50,8 @@
 #                               SANITIZE_STARTUP=1 start-up alone first; SANITIZE_XLA_FLAGS for XLA under it;
 #                               SANITIZE_HARNESS_STAGED="0" the harness on the NVLink path alone; SANITIZE_CASES=0
 #                               the harness alone, without XLA)
+#   WHEEL=1                     tests/gpu/wheel_check.sh alone: the wheel built offline, installed into a fresh venv,
+#                               the demo and the cases run from it outside the source tree (then exits)
 # Builds offline (every build dependency is expected installed); wheels in a .whl/ folder (nvshmem4py) are installed
 # into /tmp/site first (that machine installs nothing from the network). Prints a summary last.
 set -u -o pipefail
@@ -79,6 +81,10 @@ sanitizer_summary() {
   grep -E "(ERROR|RACECHECK) SUMMARY" "$1" | tee -a "$OUT/summary.txt"  # one line per rank's sanitizer
 }
 
+if [ "${WHEEL:-0}" = 1 ]; then
+  OUT=$OUT bash tests/gpu/wheel_check.sh
+  exit $?
+fi
 step "$(date -u +%FT%TZ) commit ${JMC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 nvidia-smi -L | tee -a "$OUT/summary.txt"
 if compgen -G ".whl/*.whl" >/dev/null; then
