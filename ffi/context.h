@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cuda_runtime.h>  // the send stream and its events (SendStream)
 
 #ifdef __CUDACC__
 #define JMC_HOST_DEVICE __host__ __device__
