@@ -349,7 +349,8 @@ def test_weights_given_to_dispatch_equal_weights_given_to_combine(case, rng, see
     for split in (False, True):
         d, y = weights_to_dispatch_fn(case, split)(*args)
         assert_bits_equal(d.handle.topk_weights, args[-1], "handle.topk_weights", seed)
-        d = dataclasses.replace(d, handle=dataclasses.replace(d.handle, topk_weights=None))
+        assert d.expert_weights is not None and d_want.expert_weights is None  # each row's weight: with dispatch's
+        d = dataclasses.replace(d, handle=dataclasses.replace(d.handle, topk_weights=None), expert_weights=None)
         assert_trees_bits_equal((d, y), (d_want, y_want), f"weights to dispatch (split={split}) vs to combine", seed)
 
 
