@@ -167,7 +167,8 @@ def main(argv=None) -> float:
     cfg = jmc.MoECommConfig(args.experts, args.k, args.hidden, args.max_tokens, dtype=dtype, out_dtype=dtype,
                             capacity_per="expert")
     with jax.set_mesh(mesh):
-        comm = jmc.MoEComm(cfg, axis_name="expert", backend=args.backend, custom_vjp=args.custom_vjp or None)  # the mesh in context: the model's
+        # No mesh given: the one in context, the model's.
+        comm = jmc.MoEComm(cfg, axis_name="expert", backend=args.backend, custom_vjp=args.custom_vjp or None)
         print(comm)
         model = MoEBlock(jax.random.key(0), args.hidden, args.ffn, args.experts)
         batch = args.batch * mesh.size
@@ -206,7 +207,8 @@ def main(argv=None) -> float:
             model, state, value, dense_value, gap = step(model, state, x, target)
             rel = abs(float(value) - float(dense_value)) / abs(float(dense_value))
             worst = max(worst, rel, float(gap))
-            print(f"step {i}: loss {float(value):.6f} (dense {float(dense_value):.6f}), gradients within {float(gap):.1e}")
+            print(f"step {i}: loss {float(value):.6f} (dense {float(dense_value):.6f}), "
+                  f"gradients within {float(gap):.1e}")
         y, want = jax.jit(block)(model, x), jax.jit(lambda m, x: moe_dense(m, x, args, dtype))(model, x)
         out_gap = float(jnp.max(jnp.abs(y - want)) / jnp.max(jnp.abs(want)))
         worst = max(worst, out_gap)
