@@ -213,6 +213,11 @@ class MoEComm:
         round (two of each in a dispatch, one or two in a combine); the split halves then overlap nothing: each runs
         its fused call in its second half (``dispatch_recv``, ``combine_recv``). NVLink peers only; a ValueError when
         not even a round of one token per rank fits, or with ``staged=True``.
+      expert_weights: True: a dispatch given ``topk_weights`` also returns each row's weight,
+        ``Dispatched.expert_weights`` (for routers that scale a token by its weight before the expert), read from the
+        tokens' ranks through an XLA ``all_gather`` of every rank's [max_tokens, K] float32 weights at world > 1 (plain
+        AD differentiates it). False (default): ``expert_weights`` is None and no collective is added (processes
+        sharing one GPU cannot run XLA collectives).
       max_sms: a bound on the SMs each of the NVSHMEM backend's kernels runs on (its grid at most that many blocks
         of 256 threads), so that compute placed between the split halves, or on another stream, keeps the other
         SMs. None (default): no bound; each kernel sizes its grid from its work, up to several blocks per SM. A
@@ -243,7 +248,8 @@ class MoEComm:
                  custom_vjp: bool | None = None, grad_dtype: Any = None, check_errors: bool | str = True,
                  timeout_s: float = 30.0, prereduce_min_tokens: int = 64, ids_first_min_tokens: int = 1024,
                  low_latency_max_tokens: int = 0, staged: bool = False,
-                 max_symmetric_bytes: int | None = None, max_sms: int | None = None) -> None:
+                 max_symmetric_bytes: int | None = None, max_sms: int | None = None,
+                 expert_weights: bool = False) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
         if mesh is None:
@@ -259,6 +265,9 @@ class MoEComm:
         self.batch_axes = batch_axes_of(batch_axes, ep_axes, mesh)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(expert_weights, bool):
+            raise ValueError(f"expert_weights must be a bool, got {expert_weights!r}")
+        self.expert_weights = expert_weights
         options = Options(check_errors=check_errors, timeout_s=timeout_s, prereduce_min_tokens=prereduce_min_tokens,
                           ids_first_min_tokens=ids_first_min_tokens, low_latency_max_tokens=low_latency_max_tokens,
                           staged=staged, max_symmetric_bytes=max_symmetric_bytes, max_sms=max_sms)
@@ -447,7 +456,8 @@ class MoEComm:
         options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())
         return (f"MoEComm(world={self.world}, ep_axes={self.ep_axes!r}, batch_axes={self.batch_axes!r}, "
                 f"backend={self.backend!r}, capacity={self.capacity}, "
-                f"custom_vjp={self.custom_vjp}, grad_dtype={self.grad_dtype}, {options}, cfg={self.cfg})")
+                f"custom_vjp={self.custom_vjp}, grad_dtype={self.grad_dtype}, {options}, "
+                f"expert_weights={self.expert_weights}, cfg={self.cfg})")
 
     # Argument checks ---------------------------------------------------------------------------------
     def _rows_of(self, x) -> int:
@@ -600,16 +610,16 @@ class MoEComm:
 
     def _with_row_fields(self, d: Dispatched, topk_weights: Array | None) -> Dispatched:
         """d with each row's local expert (``expert_ids``, -1 where no token) and, given the weights [max_tokens, K]
-        float32, its weight (``expert_weights``): from group_sizes and row_origin, alike on every backend. The weights
-        come from their tokens' ranks through an all_gather of every rank's [max_tokens, K] (plain AD differentiates
-        it; XLA drops it when nothing reads expert_weights); at world 1 every row is local."""
+        float32 and MoEComm(expert_weights=True), its weight (``expert_weights``): from group_sizes and row_origin,
+        alike on every backend. The weights come from their tokens' ranks through an all_gather of every rank's
+        [max_tokens, K] (plain AD differentiates it); at world 1 every row is local."""
         origin = d.handle.row_origin
         has_token = origin >= 0
         ends = jnp.cumsum(d.group_sizes)
         expert = jnp.searchsorted(ends, jnp.arange(origin.shape[0], dtype=ends.dtype), side="right")
         expert_ids = jnp.where(has_token, expert, -1).astype(jnp.int32)
         expert_weights = None
-        if topk_weights is not None:
+        if topk_weights is not None and self.expert_weights:
             if self.world == 1:
                 every = topk_weights.reshape(-1)
             else:  # [world, T, K], group g's tokens on its first replica, rank g * dp_size

@@ -77,8 +77,9 @@ class Dispatched:
     expert_ids:    int32 [capacity], each row's local expert (0 .. L-1: the run it is in), -1 for rows holding no
                    token (alignment padding, the tail past ``sum(group_sizes)``): e.g. per-expert biases or scales.
     expert_weights: float32 [capacity], each row's top-k weight when the weights went with dispatch
-                   (``topk_weights=``), 0 for rows holding no token; else None. Differentiable: its gradient reaches
-                   the weights given to dispatch (for routers that scale a token by its weight before the expert).
+                   (``topk_weights=``) of a ``MoEComm(expert_weights=True)``, 0 for rows holding no token; else
+                   None. Differentiable: its gradient reaches the weights given to dispatch (for routers that scale a
+                   token by its weight before the expert).
     """
 
     expert_x: Array

@@ -126,7 +126,9 @@ def test_more_tokens_than_max_tokens_is_refused_naming_the_fix():
 @pytest.mark.parametrize("custom_vjp", [False, True])
 def test_each_row_knows_its_expert_and_weight_and_scaling_the_input_by_it_differentiates(world, dp_size, custom_vjp):
     mesh = ep_mesh(world)
-    comm = jmc.MoEComm(_cfg(dp_size=dp_size, align=4), mesh, "ep", backend="reference", custom_vjp=custom_vjp)
+    comm = jmc.MoEComm(_cfg(dp_size=dp_size, align=4), mesh, "ep", backend="reference", custom_vjp=custom_vjp,
+                       expert_weights=True)
+    assert "expert_weights=True" in repr(comm)
     L, G = E // world, world // dp_size
     rng = np.random.default_rng(world + dp_size)
     replicated = lambda a: a.reshape(G, T, -1).repeat(dp_size, axis=0).reshape(world * T, -1)  # noqa: E731
@@ -162,7 +164,10 @@ def test_each_row_knows_its_expert_and_weight_and_scaling_the_input_by_it_differ
     for g, h in zip(got[1][1:], want[1][1:], strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-4)
 
+    plain = jmc.MoEComm(_cfg(dp_size=dp_size, align=4), mesh, "ep", backend="reference")
+
     def ids_and_sizes(x, ids):
+        assert plain.dispatch(x, ids, topk_weights=ids * 0.5).expert_weights is None  # not asked for: no all_gather
         d = comm.dispatch(x, ids)
         return d.expert_ids, d.group_sizes, d.handle.row_origin, d.expert_weights is None
 

@@ -168,7 +168,8 @@ def main(argv=None) -> float:
                             capacity_per="expert")
     with jax.set_mesh(mesh):
         # No mesh given: the one in context, the model's.
-        comm = jmc.MoEComm(cfg, axis_name="expert", backend=args.backend, custom_vjp=args.custom_vjp or None)
+        comm = jmc.MoEComm(cfg, axis_name="expert", backend=args.backend, custom_vjp=args.custom_vjp or None,
+                           expert_weights=args.router == "softmax_input")
         print(comm)
         model = MoEBlock(jax.random.key(0), args.hidden, args.ffn, args.experts)
         batch = args.batch * mesh.size

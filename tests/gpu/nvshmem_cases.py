@@ -1170,6 +1170,9 @@ def main() -> int:
         ("per expert: capacity 8 align 4, weights with dispatch", lambda s: run_case(
             mesh, s, "", C(8, 2, 64, 32, dtype=bf16, capacity=8, align=4, overflow="drop", capacity_per="expert"),
             kind="skewed", weights_to="dispatch", num_tokens="partial")),
+        ("expert weights: an all_gather (GPU per process)", lambda s: with_options(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 32, dtype=bf16, capacity=8, align=4, overflow="drop", capacity_per="expert"),
+            kind="skewed", weights_to="dispatch"), "expert weights", expert_weights=True)),
         ("per expert: staged puts", lambda s: staged_puts(lambda: run_case(
             mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity=12, overflow="drop", capacity_per="expert"),
             kind="skewed"))),
