@@ -40,6 +40,7 @@ jmc::Sizes sizes_from(const std::map<std::string, int64_t>& d) {
   JMC_FIELD(local_experts); JMC_FIELD(capacity); JMC_FIELD(align); JMC_FIELD(payload_bytes);
   JMC_FIELD(scale_cols); JMC_FIELD(token_stride); JMC_FIELD(slots_per_source); JMC_FIELD(window_slots);
   JMC_FIELD(combine_stride); JMC_FIELD(sm_count); JMC_FIELD(max_blocks); JMC_FIELD(drop_overflow);
+  JMC_FIELD(expert_capacity);
 #undef JMC_FIELD
   s.timeout_ns = d.at("timeout_ns");
   return s;

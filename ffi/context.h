@@ -81,6 +81,8 @@ struct Sizes {
   int max_blocks;  // MoEComm(max_sms=...): every launch's grid at most this many blocks (0: no bound); see
                    // within_budget
   int drop_overflow;  // rows past capacity are dropped without an error (MoECommConfig(overflow="drop"))
+  int expert_capacity;  // MoECommConfig(capacity_per="expert"): rows each local expert keeps, the first in layout
+                        // order (a multiple of align); 0: no per-expert bound (the capacity is pooled)
 };
 
 // The element types of combine rows, by the codes the launch helpers take (handlers.cu derives them from XLA's

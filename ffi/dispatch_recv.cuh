@@ -291,8 +291,15 @@ __device__ inline void publish_expert_counts(const Context& ctx, const DispatchR
     if (e < first_local || e >= first_local + s.local_experts) a.expert_counts[e] = atomicExch(ctx.expert_tally + e, 0);
 }
 
-// 3. The layout from the counts: experts' padded starts (a block scan), each (expert, group)'s base; block 0 writes
-//    group_sizes and reports an overflow (unless the MoEComm drops overflow: then the rows are dropped silently).
+// The rows local expert l keeps of the `rows` routed to it: all, or with a per-expert capacity the first
+// expert_capacity in layout order (the others are dropped as overflow).
+__device__ inline int kept_rows(const Sizes& s, int rows) {
+  return s.expert_capacity > 0 ? min(rows, s.expert_capacity) : rows;
+}
+
+// 3. The layout from the counts: experts' padded starts (a block scan) of the rows each keeps, each (expert, group)'s
+//    base; block 0 writes group_sizes and reports an overflow (unless the MoEComm drops overflow: then the rows are
+//    dropped silently). expert_rows ends as the rows each expert keeps (unpadded).
 __device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs& a, Receive& r) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_temp;
@@ -301,7 +308,7 @@ __device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs&
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int rows = 0;
     for (int g = 0; g < G; ++g) rows += r.count[l * G + g];
-    r.expert_rows[l] = (rows + s.align - 1) / s.align * s.align;
+    r.expert_rows[l] = (kept_rows(s, rows) + s.align - 1) / s.align * s.align;
   }
   __syncthreads();
   block_exclusive_sum<Scan>(scan_temp, r.expert_rows, r.expert_start, L);
@@ -311,16 +318,24 @@ __device__ inline void derive_layout(const Context& ctx, const DispatchRecvArgs&
       r.group_base[l * G + g] = base;
       base += r.count[l * G + g];
     }
-    r.expert_rows[l] = base - r.expert_start[l];
+    const int rows = base - r.expert_start[l];
+    r.expert_rows[l] = kept_rows(s, rows);
+    if (blockIdx.x == 0) a.expert_counts[s.rank * L + l] = rows;  // the load, before any drop
   }
   __syncthreads();
   if (blockIdx.x == 0) {
-    for (int l = threadIdx.x; l < L; l += blockDim.x) {
-      a.group_sizes[l] = r.expert_start[l + 1] - r.expert_start[l];
-      a.expert_counts[s.rank * L + l] = r.expert_rows[l];
+    for (int l = threadIdx.x; l < L; l += blockDim.x) a.group_sizes[l] = r.expert_start[l + 1] - r.expert_start[l];
+    if (threadIdx.x == 0 && !s.drop_overflow) {
+      if (r.expert_start[L] > s.capacity) report(ctx, kDispatchRecv, kCapacityOverflow, r.expert_start[L], s.capacity);
+      for (int l = 0; l < L && s.expert_capacity > 0; ++l) {  // the first expert over its capacity
+        int rows = 0;
+        for (int g = 0; g < G; ++g) rows += r.count[l * G + g];
+        if (rows > s.expert_capacity) {
+          report(ctx, kDispatchRecv, kCapacityOverflow, rows, s.expert_capacity);
+          break;
+        }
+      }
     }
-    if (threadIdx.x == 0 && r.expert_start[L] > s.capacity && !s.drop_overflow)
-      report(ctx, kDispatchRecv, kCapacityOverflow, r.expert_start[L], s.capacity);
   }
 }
 
@@ -455,7 +470,9 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
       if (l < 0 || l >= L) continue;
       const int at = max(first[g] - batch, 0);  // the batch's first arrival of group g
       const int p = r.group_base[l * G + g] + r.before[l * G + g] + count_bits(r.hits + l * kBitWords, at, j);
-      if (p >= s.capacity) {  // overflow: never written (derive_layout reported it); its source is told: no row comes
+      // Overflow (past capacity, or past the rows its expert keeps): never written (derive_layout reported it); its
+      // source is told: no row comes.
+      if (p >= s.capacity || p - r.expert_start[l] >= r.expert_rows[l]) {
         if (lane == 0) drop_slot(*ctx.on_device, g, t, k);
         continue;
       }

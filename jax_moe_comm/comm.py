@@ -86,6 +86,38 @@ def batch_axes_of(batch_axes: str | tuple[str, ...] | None, ep_axes: tuple[str, 
     return axes
 
 
+def context_mesh() -> Mesh | None:
+    """The concrete mesh the program runs under (``jax.set_mesh``), or None. ``jax.sharding.get_mesh`` where the JAX
+    has it (0.10, 0.11), else ``jax._src.mesh.get_concrete_mesh``."""
+    get = getattr(jax.sharding, "get_mesh", None)
+    if get is None:
+        from jax._src import mesh as mesh_lib
+        get = getattr(mesh_lib, "get_concrete_mesh", None)
+    mesh = None if get is None else get()
+    return None if mesh is None or getattr(mesh, "empty", False) or not isinstance(mesh, Mesh) else mesh
+
+
+def _mesh_shape(mesh) -> tuple:
+    return tuple(zip(mesh.axis_names, (int(mesh.shape[a]) for a in mesh.axis_names), strict=True))
+
+
+def _describe_mesh(mesh) -> str:
+    return "{" + ", ".join(f"{name!r}: {size}" for name, size in _mesh_shape(mesh)) + "}"
+
+
+def check_program_mesh(mesh: Mesh, method: str) -> None:
+    """ValueError naming both meshes unless the program's mesh (the abstract mesh in context: ``jax.set_mesh``'s, or
+    the mesh of the shard_map being traced) is none or has `mesh`'s axes and sizes."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    program = None if get is None else get()
+    if program is None or getattr(program, "empty", True) or _mesh_shape(program) == _mesh_shape(mesh):
+        return
+    raise ValueError(f"jax_moe_comm: MoEComm.{method} runs under the mesh {_describe_mesh(program)} but the MoEComm "
+                     f"was built on the mesh {_describe_mesh(mesh)}; JAX needs one mesh across the program: build the "
+                     "MoEComm on the mesh the model already uses, MoEComm(cfg, model_mesh, axis_name=<its expert axis "
+                     "or axes>), or with mesh=None under `with jax.set_mesh(model_mesh):`")
+
+
 def dim0_spec(axes: tuple[str, ...]) -> P:
     """PartitionSpec of an array whose dim 0 is sharded over `axes` (row-major, in this order)."""
     if not axes:
@@ -110,7 +142,10 @@ class MoEComm:
 
     Args:
       cfg: the layer's MoECommConfig.
-      mesh: a jax Mesh holding the EP axes; it may have other axes (data, pipeline ...).
+      mesh: the jax Mesh the model already uses, holding the EP axes; it may have other axes (data, tensor,
+        pipeline ...). None (default): the mesh set in context (``with jax.set_mesh(mesh):``), ValueError if none is.
+        JAX needs one mesh across a program: a call under another mesh (``jax.set_mesh``, or a shard_map over
+        another mesh) raises a ValueError naming both.
       axis_name: the EP axis, or a tuple of mesh axes that together form it (a compound EP axis, e.g.
         ``("context", "expert")``). ``world`` is the product of their sizes; a device's EP rank is its row-major
         index over them in the order given (``jax.lax.axis_index(axis_name)``), and rank r holds experts
@@ -178,6 +213,11 @@ class MoEComm:
         round (two of each in a dispatch, one or two in a combine); the split halves then overlap nothing: each runs
         its fused call in its second half (``dispatch_recv``, ``combine_recv``). NVLink peers only; a ValueError when
         not even a round of one token per rank fits, or with ``staged=True``.
+      expert_weights: True: a dispatch given ``topk_weights`` also returns each row's weight,
+        ``Dispatched.expert_weights`` (for routers that scale a token by its weight before the expert), read from the
+        tokens' ranks through an XLA ``all_gather`` of every rank's [max_tokens, K] float32 weights at world > 1 (plain
+        AD differentiates it). False (default): ``expert_weights`` is None and no collective is added (processes
+        sharing one GPU cannot run XLA collectives).
       max_sms: a bound on the SMs each of the NVSHMEM backend's kernels runs on (its grid at most that many blocks
         of 256 threads), so that compute placed between the split halves, or on another stream, keeps the other
         SMs. None (default): no bound; each kernel sizes its grid from its work, up to several blocks per SM. A
@@ -213,22 +253,31 @@ class MoEComm:
     <phase>" MoECommError; the reference backend has no buffers to share and accepts any order.
     """
 
-    def __init__(self, cfg: MoECommConfig, mesh: Mesh, axis_name: str | tuple[str, ...] = "ep",
+    def __init__(self, cfg: MoECommConfig, mesh: Mesh | None = None, axis_name: str | tuple[str, ...] = "ep",
                  backend: str = "auto", *, batch_axes: str | tuple[str, ...] | None = None,
                  custom_vjp: bool | None = None, grad_dtype: Any = None, check_errors: bool | str = True,
                  timeout_s: float = 30.0, prereduce_min_tokens: int = 64, ids_first_min_tokens: int = 1024,
                  low_latency_max_tokens: int = 0, staged: bool = False,
                  max_symmetric_bytes: int | None = None, max_sms: int | None = None,
-                 send_stream: str | None = None) -> None:
+                 send_stream: str | None = None, expert_weights: bool = False) -> None:
         if not isinstance(cfg, MoECommConfig):
             raise ValueError(f"cfg must be a MoECommConfig, got {type(cfg).__name__}")
+        if mesh is None:
+            mesh = context_mesh()
+            if mesh is None:
+                raise ValueError("mesh is None and no mesh is set: give the model's mesh, MoEComm(cfg, mesh, "
+                                 "axis_name=...), or build the MoEComm under `with jax.set_mesh(mesh):`")
         if not isinstance(mesh, Mesh):
-            raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+            raise ValueError(f"mesh must be a jax.sharding.Mesh (the one the model shards over), got "
+                             f"{type(mesh).__name__}")
         ep_axes = ep_axes_of(axis_name, mesh)
         self._ep_axes = ep_axes
         self.batch_axes = batch_axes_of(batch_axes, ep_axes, mesh)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(expert_weights, bool):
+            raise ValueError(f"expert_weights must be a bool, got {expert_weights!r}")
+        self.expert_weights = expert_weights
         options = Options(check_errors=check_errors, timeout_s=timeout_s, prereduce_min_tokens=prereduce_min_tokens,
                           ids_first_min_tokens=ids_first_min_tokens, low_latency_max_tokens=low_latency_max_tokens,
                           staged=staged, max_symmetric_bytes=max_symmetric_bytes, max_sms=max_sms,
@@ -418,36 +467,68 @@ class MoEComm:
         options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.options).items())
         return (f"MoEComm(world={self.world}, ep_axes={self.ep_axes!r}, batch_axes={self.batch_axes!r}, "
                 f"backend={self.backend!r}, capacity={self.capacity}, "
-                f"custom_vjp={self.custom_vjp}, grad_dtype={self.grad_dtype}, {options}, cfg={self.cfg})")
+                f"custom_vjp={self.custom_vjp}, grad_dtype={self.grad_dtype}, {options}, "
+                f"expert_weights={self.expert_weights}, cfg={self.cfg})")
 
     # Argument checks ---------------------------------------------------------------------------------
-    def _check_dispatch_args(self, x, topk_ids, scales, num_tokens, quantize=None):
+    def _rows_of(self, x) -> int:
+        """The tokens per shard of a call: x's rows, 1 <= n <= max_tokens; ValueError naming x otherwise."""
         c = self.cfg
+        shape = getattr(x, "shape", None)
+        if shape is None or len(shape) != 2:
+            raise ValueError(f"x must be an array [n, hidden] (n <= max_tokens = {c.max_tokens}), got "
+                             f"{type(x).__name__ if shape is None else tuple(shape)}")
+        n = int(shape[0])
+        if not 1 <= n <= c.max_tokens:
+            raise ValueError(f"x has {n} rows per shard; one MoEComm takes 1 to max_tokens ({c.max_tokens}): raise "
+                             "MoECommConfig.max_tokens to the largest batch (per shard) the model runs")
+        return n
+
+    def _padded(self, a, rows: int, fill=0):
+        """a [rows, ...] padded with `fill` to [max_tokens, ...] (None stays None)."""
+        pad = self.cfg.max_tokens - rows
+        if a is None or pad == 0:
+            return a
+        return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
+
+    def _prepare_dispatch(self, x, topk_ids, scales, num_tokens, topk_weights, quantize):
+        """The dispatch's arguments checked and padded to max_tokens rows: (n, x, topk_ids, scales, num_tokens,
+        topk_weights as float32 or None)."""
+        n = self._rows_of(x)
+        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens, quantize, rows=n)
+        if topk_weights is not None:
+            topk_weights = self._check_weights(topk_weights, n)
+        return (n, self._padded(x, n), self._padded(topk_ids, n, -1), self._padded(scales, n), num_tokens,
+                self._padded(topk_weights, n))
+
+    def _check_dispatch_args(self, x, topk_ids, scales, num_tokens, quantize=None, rows=None):
+        c = self.cfg
+        n = c.max_tokens if rows is None else rows
         if quantize is not None:
             if not c.is_fp8 or np.dtype(quantize) != c.dtype:
                 raise ValueError("quantize must be the MoEComm's fp8 payload dtype (MoECommConfig(dtype="
                                  f"jnp.float8_e4m3fn)); got quantize={np.dtype(quantize).name} with dtype "
                                  f"{c.dtype.name}")
-            _check_array("x", x, (c.max_tokens, c.hidden), (jnp.bfloat16,), "bfloat16 (quantize takes bf16 rows)")
+            _check_array("x", x, (n, c.hidden), (jnp.bfloat16,), "bfloat16 (quantize takes bf16 rows)")
             if scales is not None:
                 raise ValueError("scales must be None with quantize: the dispatch computes them")
         else:
-            _check_array("x", x, (c.max_tokens, c.hidden), (c.dtype,))
-        _check_array("topk_ids", topk_ids, (c.max_tokens, c.experts_per_token), (jnp.int32,))
+            _check_array("x", x, (n, c.hidden), (c.dtype,))
+        _check_array("topk_ids", topk_ids, (n, c.experts_per_token), (jnp.int32,))
         if c.is_fp8 and quantize is None:
             if scales is None:
                 raise ValueError("scales is required for float8_e4m3fn payloads: "
                                  "float32 [max_tokens, hidden // scale_block]")
-            _check_array("scales", scales, (c.max_tokens, c.scale_cols), (jnp.float32,))
+            _check_array("scales", scales, (n, c.scale_cols), (jnp.float32,))
         elif scales is not None and not c.is_fp8:
             raise ValueError(f"scales is only for float8_e4m3fn payloads; dtype is {c.dtype.name}")
         if num_tokens is None:
-            return jnp.int32(c.max_tokens)
+            return jnp.int32(n)
         num_tokens = jnp.asarray(num_tokens)
         if num_tokens.shape != () or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
             raise ValueError("num_tokens must be an integer scalar (per shard), "
                              f"got {num_tokens.dtype}{list(num_tokens.shape)}")
-        return jnp.clip(num_tokens.astype(jnp.int32), 0, c.max_tokens)
+        return jnp.clip(num_tokens.astype(jnp.int32), 0, n)
 
     def _check_handle(self, handle):
         if not isinstance(handle, CombineHandle):
@@ -461,9 +542,15 @@ class MoEComm:
             raise ValueError(f"expert_y must have dtype bfloat16, float16 or float32 no wider than out_dtype "
                              f"({out.name}); got {dtype.name}")
 
-    def _check_weights(self, topk_weights):
+    def _check_weights(self, topk_weights, rows: int | None = None) -> Array:
+        """topk_weights [rows, K] of a float dtype (default rows: max_tokens), as float32 (differentiable)."""
         c = self.cfg
-        _check_array("topk_weights", topk_weights, (c.max_tokens, c.experts_per_token), (jnp.float32,))
+        rows = c.max_tokens if rows is None else rows
+        _check_array("topk_weights", topk_weights, (rows, c.experts_per_token), None)
+        if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+            raise ValueError(f"topk_weights must have a float dtype (cast to float32 inside), got "
+                             f"{np.dtype(topk_weights.dtype).name}")
+        return topk_weights.astype(jnp.float32)
 
     def _check_combine_weights(self, handle: CombineHandle, topk_weights, where: str = "combine") -> None:
         """Weights given to dispatch (in the handle) are the combine's: then none may be given to it. The backends
@@ -472,7 +559,7 @@ class MoEComm:
             if topk_weights is not None:
                 raise ValueError(f"topk_weights went with dispatch (they are in the handle): give none to {where}")
         elif topk_weights is not None:
-            self._check_weights(topk_weights)
+            self._check_weights(topk_weights, handle.rows or self.cfg.max_tokens)
 
     # Per-shard API (inside shard_map over the mesh: the EP axes at least) -------------------------------
     def dispatch_send(self, x: Array, topk_ids: Array, scales: Array | None = None,
@@ -481,28 +568,38 @@ class MoEComm:
 
         x: [max_tokens, H] cfg.dtype (bfloat16 with ``quantize``); topk_ids: int32 [max_tokens, K] in [-1, E);
         scales: float32 [max_tokens, H // B] (fp8 only, none with ``quantize``); num_tokens: int32 scalar, rows >=
-        num_tokens are ignored; topk_weights: float32 [max_tokens, K] or None, the combine's weights sent now (see
-        ``dispatch``); quantize: see ``dispatch``.
+        num_tokens are ignored; topk_weights: [max_tokens, K] of a float dtype (cast to float32) or None, the
+        combine's weights sent now (see ``dispatch``); quantize: see ``dispatch``. The split halves take max_tokens
+        rows (the fused ``dispatch`` takes fewer).
         """
+        self._check_program_mesh("dispatch_send")
         num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens, quantize)
         if topk_weights is not None:
-            self._check_weights(topk_weights)
+            topk_weights = self._check_weights(topk_weights)
         x, scales, topk_weights = self._without_gradient("dispatch_send", x, scales, topk_weights)
         return self._phases.impl.dispatch_send(self._phases.plan, x, topk_ids, scales, num_tokens, topk_weights)
 
     def dispatch_recv(self, pending) -> Dispatched:
         """Waits for the rows of ``dispatch_send`` and returns them packed by local expert."""
+        self._check_program_mesh("dispatch_recv")
         d = self._phases.impl.dispatch_recv(self._phases.plan, pending)
-        return load.with_load(self._geo, autodiff.with_grad_link(d))
+        d = load.with_load(self._geo, autodiff.with_grad_link(d))
+        return self._with_row_fields(d, d.handle.topk_weights)
 
     def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None,
                  num_tokens: Array | None = None, topk_weights: Array | None = None,
                  quantize: Any = None) -> Dispatched:
         """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout. Differentiable (see custom_vjp).
 
-        topk_weights (float32 [max_tokens, K], optional): the combine's weights, given here instead of to combine
-        (they land in ``handle.topk_weights``, and combine then takes none). The NVSHMEM backend's NVLink path sends
-        them with the tokens' ids, so its pre-reduced combine need not exchange them (one signal round trip less).
+        x: [n, H] cfg.dtype (bfloat16 with ``quantize``), any n from 1 to max_tokens: one MoEComm serves every batch
+        size up to its maximum (padded to max_tokens inside; ``combine`` then returns [n, H]); topk_ids int32 [n, K]
+        in [-1, E); scales float32 [n, H // B] (fp8); num_tokens: int32 scalar, default n, clipped to [0, n]: rows
+        from it on are ignored.
+
+        topk_weights ([n, K] of any float dtype, cast to float32; optional): the combine's weights, given here instead
+        of to combine (they land in ``handle.topk_weights``, and combine then takes none), and each row's weight in
+        ``expert_weights``. The NVSHMEM backend's NVLink path sends them with the tokens' ids, so its pre-reduced
+        combine need not exchange them (one signal round trip less).
 
         quantize (``jnp.float8_e4m3fn``, for an fp8 MoEComm): x is bfloat16 and the dispatch quantizes it, with block
         scales of ``scale_block``: the same expert_x / expert_scales as ``dispatch(*quantize_rows(x, scale_block),
@@ -510,14 +607,36 @@ class MoEComm:
         NVSHMEM kernels quantize each row as they send it, so no XLA op of its own runs. Gradients pass the
         quantization straight through to x (``grad_dtype`` as for fp8; the cotangent of the fp8 expert_x is fp8, as
         JAX gives a cotangent its primal's dtype)."""
-        num_tokens = self._check_dispatch_args(x, topk_ids, scales, num_tokens, quantize)
-        if topk_weights is not None:
-            self._check_weights(topk_weights)
+        self._check_program_mesh("dispatch")
+        n, x, topk_ids, scales, num_tokens, topk_weights = self._prepare_dispatch(x, topk_ids, scales, num_tokens,
+                                                                                  topk_weights, quantize)
         if self.custom_vjp:
             d = self._dispatch_vjp(x, topk_ids, scales, num_tokens, topk_weights)
         else:
             d = self._phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
-        return load.with_load(self._geo, d)
+        d = self._with_row_fields(load.with_load(self._geo, d), topk_weights)
+        if n == self.cfg.max_tokens:
+            return d
+        return dataclasses.replace(d, handle=dataclasses.replace(d.handle, rows=n))
+
+    def _with_row_fields(self, d: Dispatched, topk_weights: Array | None) -> Dispatched:
+        """d with each row's local expert (``expert_ids``, -1 where no token) and, given the weights [max_tokens, K]
+        float32 and MoEComm(expert_weights=True), its weight (``expert_weights``): from group_sizes and row_origin,
+        alike on every backend. The weights come from their tokens' ranks through an all_gather of every rank's
+        [max_tokens, K] (plain AD differentiates it); at world 1 every row is local."""
+        origin = d.handle.row_origin
+        has_token = origin >= 0
+        ends = jnp.cumsum(d.group_sizes)
+        expert = jnp.searchsorted(ends, jnp.arange(origin.shape[0], dtype=ends.dtype), side="right")
+        expert_ids = jnp.where(has_token, expert, -1).astype(jnp.int32)
+        expert_weights = None
+        if topk_weights is not None and self.expert_weights:
+            if self.world == 1:
+                every = topk_weights.reshape(-1)
+            else:  # [world, T, K], group g's tokens on its first replica, rank g * dp_size
+                every = jax.lax.all_gather(topk_weights, self._ep_axes)[::self.cfg.dp_size].reshape(-1)
+            expert_weights = jnp.where(has_token, every[jnp.where(has_token, origin, 0)], 0.0)
+        return dataclasses.replace(d, expert_ids=expert_ids, expert_weights=expert_weights)
 
     def combine_send(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None):
         """Starts sending expert outputs [capacity, H] back to their tokens' ranks (bf16/fp16/fp32, no wider
@@ -525,16 +644,20 @@ class MoEComm:
         backend sums each token's rows on the expert side and sends one row per (token, expert rank) instead of
         one per slot (rows in the output dtype: within its rounding of the per-slot sum). With weights in the handle
         (given to dispatch) none are given here or to combine_recv: they count as given here."""
+        self._check_program_mesh("combine_send")
         self._check_combine_args(expert_y, handle)
         self._check_combine_weights(handle, topk_weights, "combine_send")
+        handle, topk_weights = self._full_rows(handle, topk_weights)
         expert_y, topk_weights = self._without_gradient("combine_send", expert_y, topk_weights)
         return self._phases.impl.combine_send(self._phases.plan, expert_y, handle, topk_weights)
 
     def combine_recv(self, pending, topk_weights: Array | None = None) -> Array:
-        """Waits for the expert rows and returns y [max_tokens, H] out_dtype, y[i] = sum_k w[i,k] row(i,k).
-        topk_weights: here exactly when combine_send did not get them (nor dispatch)."""
+        """Waits for the expert rows and returns y [max_tokens, H] out_dtype, y[i] = sum_k w[i,k] row(i,k) (max_tokens
+        rows even after a dispatch of fewer: slice them). topk_weights: [max_tokens, K] of a float dtype, here
+        exactly when combine_send did not get them (nor dispatch)."""
+        self._check_program_mesh("combine_recv")
         if topk_weights is not None:
-            self._check_weights(topk_weights)
+            topk_weights = self._check_weights(topk_weights)
         if (topk_weights is None) == (getattr(pending, "topk_weights", None) is None):
             raise ValueError("topk_weights must be given to exactly one of dispatch, combine_send and combine_recv")
         (topk_weights,) = self._without_gradient("combine_recv", topk_weights)
@@ -550,16 +673,48 @@ class MoEComm:
         refuse = _refusing_derivative(method)
         return tuple(None if a is None else refuse(a) for a in arrays)
 
-    def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None) -> Array:
-        """``combine_recv(combine_send(expert_y, handle), topk_weights)``. Differentiable (see custom_vjp).
-        topk_weights: float32 [max_tokens, K], unless dispatch got them (then None: the handle's are used)."""
+    def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None, *,
+                weighted: bool = True) -> Array:
+        """``combine_recv(combine_send(expert_y, handle), topk_weights)``: y [n, H] out_dtype for a dispatch of n
+        tokens, y[i] = sum_k w[i,k] row(i,k). Differentiable (see custom_vjp). topk_weights: [n, K] of any float
+        dtype (cast to float32), unless dispatch got them (then None: the handle's are used).
+
+        weighted: True (default) weighs each slot's row as above; False sums the live slots' rows with weight 1 and
+        takes no weights (the handle's are ignored): for routers that scale each row by its weight before the expert
+        (``d.expert_x * d.expert_weights[:, None]``, the weights given to dispatch), so they are applied once."""
+        self._check_program_mesh("combine")
+        if not isinstance(weighted, bool):
+            raise ValueError(f"weighted must be a bool, got {weighted!r}")
+        if not weighted:
+            if topk_weights is not None:
+                raise ValueError("weighted=False sums the rows with weight 1: give no topk_weights")
+            self._check_handle(handle)
+            handle = dataclasses.replace(handle, topk_weights=None)
+            topk_weights = jnp.ones((handle.rows or self.cfg.max_tokens, self.cfg.experts_per_token), jnp.float32)
         self._check_combine_args(expert_y, handle)
         if handle.topk_weights is None and topk_weights is None:
             raise ValueError("topk_weights is required: give them to combine or to dispatch")
         self._check_combine_weights(handle, topk_weights)
+        rows = handle.rows or self.cfg.max_tokens
+        handle, topk_weights = self._full_rows(handle, topk_weights)
         if self.custom_vjp:
-            return self._combine_vjp(expert_y, handle, topk_weights)
-        return self._phases.combine(expert_y, handle, topk_weights)
+            y = self._combine_vjp(expert_y, handle, topk_weights)
+        else:
+            y = self._phases.combine(expert_y, handle, topk_weights)
+        return y if rows == self.cfg.max_tokens else y[:rows]
+
+    def _full_rows(self, handle: CombineHandle, topk_weights):
+        """(the handle as the backends take it, without rows; the weights float32, padded to max_tokens rows)."""
+        rows = handle.rows or self.cfg.max_tokens
+        if topk_weights is not None:
+            topk_weights = self._padded(self._check_weights(topk_weights, rows), rows)
+        return (handle if handle.rows is None else dataclasses.replace(handle, rows=None)), topk_weights
+
+    def _check_program_mesh(self, method: str) -> None:
+        """ValueError naming both meshes when the program runs under another mesh than this MoEComm's (``jax.set_mesh``
+        or a shard_map over another mesh): JAX's own error ("should be the same across the entire program") names
+        neither."""
+        check_program_mesh(self.mesh, method)
 
 
 @functools.cache
@@ -602,6 +757,7 @@ def _per_shard(comm: MoEComm, fn, *args):
     """fn on every shard of the whole mesh: dim 0 of every argument and result split as ``comm.batch_spec``.
     Mapping every mesh axis (not only the EP axes) is what lets XLA slice an input sharded over fewer axes locally
     instead of resharding it, and keeps the EP groups of different batch coordinates apart."""
+    check_program_mesh(comm.mesh, "global view")
     spec = comm.batch_spec
     mapped = jax.shard_map(lambda *a: _lift_scalars(fn(*a)), mesh=comm.mesh, in_specs=spec, out_specs=spec)
     return mapped(*placed(comm.mesh, args, spec))

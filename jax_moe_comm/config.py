@@ -17,6 +17,7 @@ PAYLOAD_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 DEFAULT_SCALE_BLOCK = 128
 OVERFLOW_POLICIES = ("error", "drop")
+CAPACITY_PER = ("rank", "expert")
 # A packed row's origin is stored as one int32: (src_group * max_tokens + token) * K + slot.
 _MAX_ORIGIN = 2**31 - 1
 
@@ -66,18 +67,26 @@ class MoECommConfig:
       scale_block: B, elements per fp32 scale; fp8 only (default 128), ``hidden % B == 0``.
       out_dtype: dtype of the combined output: bfloat16, float16 or float32.
       dp_size: ranks per DP group; the group's ranks hold identical tokens.
-      capacity: rows of ``expert_x`` per rank; default the worst case (``worst_case_rows``), which no routing
-        overflows. Exclusive with ``capacity_factor``.
-      capacity_factor: capacity as a factor of the average load instead: ``L * round_up(ceil(capacity_factor *
-        num_dp * max_tokens * K / E), align)`` rows (each local expert's average rows times the factor, aligned), at
-        most the worst case. Training with a factor of 1.0 to 2.0 bounds ``expert_x`` and lets ``overflow="drop"``
-        drop what does not fit.
+      capacity: with ``capacity_per="rank"``: rows of ``expert_x`` per rank, shared by its local experts; default
+        the worst case (``worst_case_rows``), which no routing overflows. With ``capacity_per="expert"``: rows each
+        local expert keeps (a multiple of ``align``); default every row an expert can get (``num_dp * max_tokens``,
+        aligned). Exclusive with ``capacity_factor``.
+      capacity_factor: capacity as a factor of the average load instead: each local expert's average rows times the
+        factor, aligned, ``C_e = round_up(ceil(capacity_factor * num_dp * max_tokens * K / E), align)``; with
+        ``capacity_per="rank"`` the rank keeps ``L * C_e`` rows (at most the worst case) pooled over its experts, with
+        ``capacity_per="expert"`` each expert keeps ``C_e`` (as GShard, Switch and MaxText do). Training with a factor
+        of 1.0 to 2.0 bounds ``expert_x`` and lets ``overflow="drop"`` drop what does not fit.
+      capacity_per: what the capacity bounds. "rank" (default): the rows of all local experts together (pooled): one
+        expert may keep more than its share when others get less; rows are packed in layout order and those from
+        position ``capacity`` on do not fit. "expert": each local expert separately: expert l keeps the first ``C_e``
+        of its rows in the receive layout's order, i.e. by (source DP group, source token): the lowest DP group's
+        earliest tokens first; its later rows do not fit. ``expert_x`` then has ``min(L * C_e, worst_case_rows)``
+        rows (``expert_capacity_for``) and the kept runs are packed as always (``group_sizes``).
       align: each local expert's row count is padded to a multiple of ``align``.
-      overflow: what a dispatch does with rows that do not fit in ``capacity`` (rows are packed in layout order;
-        those from position ``capacity`` on do not fit): "error" (default) fails the round trip with a capacity
-        overflow MoECommError (combine gives NaN); "drop" drops them, as capacity-factor MoE training does: their
-        slots contribute zero to combine, ``group_sizes`` count the rows kept and ``Dispatched.dropped_rows`` counts
-        the rows dropped. The same rows on both backends.
+      overflow: what a dispatch does with rows that do not fit (see ``capacity_per``): "error" (default) fails the
+        round trip with a capacity overflow MoECommError (combine gives NaN); "drop" drops them, as capacity-factor
+        MoE training does: their slots contribute zero to combine, ``group_sizes`` count the rows kept and
+        ``Dispatched.dropped_rows`` counts the rows dropped. The same rows on both backends.
     """
 
     num_experts: int
@@ -92,6 +101,7 @@ class MoECommConfig:
     align: int = 1
     capacity_factor: float | None = None
     overflow: str = "error"
+    capacity_per: str = "rank"
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -125,6 +135,12 @@ class MoECommConfig:
             set_("capacity_factor", float(f))
         if self.overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
+        if self.capacity_per not in CAPACITY_PER:
+            raise ValueError(f"capacity_per must be one of {CAPACITY_PER} (what capacity bounds: a rank's rows, pooled "
+                             f"over its experts, or each expert's), got {self.capacity_per!r}")
+        if self.capacity_per == "expert" and self.capacity is not None and self.capacity % self.align:
+            raise ValueError(f"capacity ({self.capacity} rows per expert, capacity_per='expert') must be a multiple of "
+                             f"align ({self.align}): give capacity={round_up(self.capacity, self.align)}")
 
     @property
     def is_fp8(self) -> bool:
@@ -150,30 +166,50 @@ class MoECommConfig:
             rows = round_up(rows + num_local * (self.align - 1), self.align)
         return rows
 
-    def capacity_for(self, world: int) -> int:
-        """Rows of ``expert_x``: ``capacity`` if given, else from ``capacity_factor`` if given, else the worst
-        case."""
+    def _per_expert_from_factor(self, world: int) -> int:
+        """C_e of ``capacity_factor``: each local expert's average rows times the factor, aligned."""
+        average = self.num_dp(world) * self.max_tokens * self.experts_per_token / self.num_experts
+        return round_up(max(1, math.ceil(self.capacity_factor * average)), self.align)
+
+    def expert_capacity_for(self, world: int) -> int | None:
+        """Rows each local expert keeps with ``capacity_per="expert"`` (``capacity`` if given, else from
+        ``capacity_factor`` if given, else ``num_dp * max_tokens`` aligned: all it can get); None with "rank"."""
+        if self.capacity_per != "expert":
+            return None
         if self.capacity is not None:
             return self.capacity
+        if self.capacity_factor is not None:
+            return self._per_expert_from_factor(world)
+        return round_up(self.num_dp(world) * self.max_tokens, self.align)
+
+    def capacity_for(self, world: int) -> int:
+        """Rows of ``expert_x``. capacity_per="rank": ``capacity`` if given, else from ``capacity_factor`` if given,
+        else the worst case. "expert": ``L * expert_capacity_for(world)``, at most the worst case (which the kept
+        rows never exceed)."""
         worst = self.worst_case_rows(world)
+        if self.capacity_per == "expert":
+            return min(self.local_experts(world) * self.expert_capacity_for(world), worst)
+        if self.capacity is not None:
+            return self.capacity
         if self.capacity_factor is None:
             return worst
-        average = self.num_dp(world) * self.max_tokens * self.experts_per_token / self.num_experts
-        per_expert = round_up(max(1, math.ceil(self.capacity_factor * average)), self.align)
-        return min(self.local_experts(world) * per_expert, worst)
+        return min(self.local_experts(world) * self._per_expert_from_factor(world), worst)
+
+    def _fixed_capacity(self, world: int) -> dict:
+        """The capacity fields of a derived config with this one's capacities, without the factor."""
+        fixed = self.expert_capacity_for(world) if self.capacity_per == "expert" else self.capacity_for(world)
+        return dict(capacity=fixed, capacity_factor=None)
 
     def gradient_config(self, world: int, grad_dtype: Any) -> MoECommConfig:
         """The config of an fp8 layer's backward round trip (MoEComm's grad_dtype buffer set): the same routing,
         capacity and overflow policy, payload in grad_dtype."""
-        return dataclasses.replace(self, dtype=grad_dtype, scale_block=None, capacity=self.capacity_for(world),
-                                   capacity_factor=None)
+        return dataclasses.replace(self, dtype=grad_dtype, scale_block=None, **self._fixed_capacity(world))
 
     def weights_exchange_config(self, world: int) -> MoECommConfig:
         """The config of the backward's weights exchange (autodiff.py): the same routing, capacity and overflow policy,
         hence the same layout, with a float32 row of the token's K weights (padded to 4 columns) as the payload."""
         return dataclasses.replace(self, dtype=jnp.float32, out_dtype=jnp.float32, scale_block=None,
-                                   hidden=round_up(self.experts_per_token, 4), capacity=self.capacity_for(world),
-                                   capacity_factor=None)
+                                   hidden=round_up(self.experts_per_token, 4), **self._fixed_capacity(world))
 
     def validate_world(self, world: int, axis_name: str | tuple[str, ...]) -> None:
         """Checks that need the EP world size (the product of the EP axes' sizes); ValueError naming the argument
@@ -283,3 +319,8 @@ class Geometry:
     @property
     def capacity(self) -> int:
         return self.cfg.capacity_for(self.world)
+
+    @property
+    def expert_capacity(self) -> int | None:
+        """Rows each local expert keeps (capacity_per="expert"), or None (pooled)."""
+        return self.cfg.expert_capacity_for(self.world)

@@ -30,14 +30,16 @@ def expert_counts(geo: Geometry, topk_ids: Array, num_tokens: Array) -> Array:
 
 
 def dropped_rows(geo: Geometry, counts: Array) -> Array:
-    """int32 []: this rank's rows that land at or past capacity in the layout (each local expert's rows start at
-    the padded sizes of the experts before it)."""
+    """int32 []: this rank's rows that do not fit: past each local expert's own capacity (capacity_per="expert"),
+    or landing at or past capacity in the layout (each local expert's rows start at the padded sizes of the experts
+    before it)."""
     L, align, capacity = geo.L, geo.cfg.align, geo.capacity
     rank = jax.lax.axis_index(geo.axis_name)
     rows = jax.lax.dynamic_slice_in_dim(counts, rank * L, L)
-    padded = round_up(rows, align) if align > 1 else rows
+    per_expert = rows if geo.expert_capacity is None else jnp.minimum(rows, geo.expert_capacity)
+    padded = round_up(per_expert, align) if align > 1 else per_expert
     start = jnp.cumsum(padded) - padded
-    kept = jnp.clip(capacity - start, 0, rows)
+    kept = jnp.clip(capacity - start, 0, per_expert)
     return jnp.sum(rows - kept).astype(jnp.int32)
 
 

@@ -86,6 +86,7 @@ def kernel_sizes(cfg: MoECommConfig, world: int, rank: int, sm_count: int = 132,
         sm_count=sm_count,
         max_blocks=0 if max_sms is None else max_sms,
         drop_overflow=int(cfg.overflow == "drop"),
+        expert_capacity=geo.expert_capacity or 0,
     )
 
 

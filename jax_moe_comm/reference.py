@@ -140,17 +140,26 @@ def dispatch_recv(geo: Geometry, p: PendingDispatch) -> Dispatched:
     expert_sorted = jnp.where(arrived, local_expert, L)[order]
 
     counts = jnp.bincount(expert_sorted, length=L + 1)[:L].astype(jnp.int32)
-    group_sizes = round_up(counts, geo.cfg.align) if geo.cfg.align > 1 else counts
+    per_expert = geo.expert_capacity  # capacity_per="expert": each expert keeps its first rows in this order
+    kept = counts if per_expert is None else jnp.minimum(counts, per_expert)
+    group_sizes = round_up(kept, geo.cfg.align) if geo.cfg.align > 1 else kept
     first_unpadded = jnp.cumsum(counts) - counts
     first_packed = jnp.cumsum(group_sizes) - group_sizes
-    rank_in_expert = jnp.arange(meta.shape[0], dtype=jnp.int32) - first_unpadded[jnp.minimum(expert_sorted, L - 1)]
-    row = jnp.where(expert_sorted < L, first_packed[jnp.minimum(expert_sorted, L - 1)] + rank_in_expert, geo.capacity)
+    expert_or_last = jnp.minimum(expert_sorted, L - 1)
+    rank_in_expert = jnp.arange(meta.shape[0], dtype=jnp.int32) - first_unpadded[expert_or_last]
+    fits = (expert_sorted < L) & (rank_in_expert < kept[expert_or_last])
+    row = jnp.where(fits, first_packed[expert_or_last] + rank_in_expert, geo.capacity)
     row = jnp.where(row < geo.capacity, row, geo.capacity)  # overflowing rows are dropped, never written
 
     needed = jnp.sum(group_sizes)
-    overflows = (needed > geo.capacity) & (geo.cfg.overflow == "error")  # "drop": dropped, not failed
-    overflow = errors.status(jnp.where(overflows, errors.CAPACITY_OVERFLOW, 0), 1,
-                             jax.lax.axis_index(geo.axis_name), needed, geo.capacity)
+    rank = jax.lax.axis_index(geo.axis_name)
+    pooled = needed > geo.capacity
+    code = lambda over: jnp.where(over & (geo.cfg.overflow == "error"), errors.CAPACITY_OVERFLOW, 0)  # noqa: E731
+    overflow = errors.status(code(pooled), 1, rank, needed, geo.capacity)
+    if per_expert is not None:  # the first expert over its capacity (the kernels report the same)
+        over = counts > per_expert
+        first = jnp.argmax(over)
+        overflow = errors.first_failure(overflow, errors.status(code(over.any()), 1, rank, counts[first], per_expert))
 
     origin = jnp.where(arrived, (src_group * T + token) * K + slot, -1)[order]
     cap = (geo.capacity,)

@@ -25,7 +25,7 @@ def pytree_dataclass(cls=None, *, static: tuple[str, ...] = ()):
     return register if cls is None else register(cls)
 
 
-@pytree_dataclass
+@pytree_dataclass(static=("rows",))
 class CombineHandle:
     """Everything combine needs to send expert outputs home. Per shard:
 
@@ -43,6 +43,8 @@ class CombineHandle:
     grad_link:  float32 [1], zero (its value is never read). In a differentiated step, whether it carries a
         gradient tells combine's gradient rule whether dispatch's follows it (they share one backward round trip;
         autodiff.py). None in a handle made by hand: combine's rule then finishes the backward round trip itself.
+    rows:       static int, the tokens n of a dispatch given fewer than max_tokens (combine returns [n, H]); None:
+        max_tokens. The arrays above always have max_tokens rows.
     """
 
     row_origin: Array
@@ -51,6 +53,7 @@ class CombineHandle:
     status: Array
     topk_weights: Array | None = None
     grad_link: Array | None = None
+    rows: int | None = None
 
 
 @pytree_dataclass
@@ -71,6 +74,12 @@ class Dispatched:
                    In a round trip that failed on a protocol error (a late or dead peer; y is NaN) the NVSHMEM counts
                    hold only what arrived.
     dropped_rows:  int32 [], rows for this rank's experts that did not fit in capacity (0 unless it overflowed).
+    expert_ids:    int32 [capacity], each row's local expert (0 .. L-1: the run it is in), -1 for rows holding no
+                   token (alignment padding, the tail past ``sum(group_sizes)``): e.g. per-expert biases or scales.
+    expert_weights: float32 [capacity], each row's top-k weight when the weights went with dispatch
+                   (``topk_weights=``) of a ``MoEComm(expert_weights=True)``, 0 for rows holding no token; else
+                   None. Differentiable: its gradient reaches the weights given to dispatch (for routers that scale a
+                   token by its weight before the expert).
     """
 
     expert_x: Array
@@ -79,3 +88,5 @@ class Dispatched:
     handle: CombineHandle
     expert_counts: Array | None = None
     dropped_rows: Array | None = None
+    expert_ids: Array | None = None
+    expert_weights: Array | None = None

@@ -85,6 +85,7 @@ class Setup:
     remat: str | None = None
     grad: str | None = None
     frozen_x: bool = False
+    capacity_per: str = "rank"
 
     @property
     def split(self) -> bool:
@@ -94,7 +95,8 @@ class Setup:
         dtype = jnp.float8_e4m3fn if self.payload == "quantize" else self.payload
         return jmc.MoECommConfig(self.E, self.K, self.H, self.T, dtype=dtype, out_dtype=self.out_dtype,
                                  scale_block=self.scale_block, dp_size=self.dp_size, capacity=self.capacity,
-                                 capacity_factor=self.capacity_factor, align=self.align, overflow=self.overflow)
+                                 capacity_factor=self.capacity_factor, align=self.align, overflow=self.overflow,
+                                 capacity_per=self.capacity_per)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +167,11 @@ def setups(draw, world: int = 1, patterns: tuple[str, ...] = PATTERNS, small: bo
     capacity = capacity_factor = None
     size = draw(st.sampled_from(("worst", "explicit", "factor")))
     worst = jmc.MoECommConfig(E, K, H, T, dp_size=dp_size, align=align).worst_case_rows(world)
-    if size == "explicit":  # often a cut inside some expert's padded run
+    capacity_per = draw(st.sampled_from(("rank", "rank", "expert")))
+    if size == "explicit" and capacity_per == "expert":  # rows per expert, a multiple of align
+        per_expert = max(1, (world // dp_size) * T // draw(st.sampled_from((1, 2, 3, 4, 8, 16))))
+        capacity = -(-per_expert // align) * align
+    elif size == "explicit":  # often a cut inside some expert's padded run
         capacity = max(1, worst // draw(st.sampled_from((1, 2, 3, 4, 8))) - draw(st.integers(0, 2 * align)))
     elif size == "factor":
         capacity_factor = draw(st.sampled_from((0.5, 1.0, 1.25, 2.0)))
@@ -201,7 +207,7 @@ def setups(draw, world: int = 1, patterns: tuple[str, ...] = PATTERNS, small: bo
         payload = "quantize"  # gradients reach x through a quantizing dispatch (fp8 x has no gradient)
     return Setup(world, payload, out_dtype, E, K, H, T, scale_block, align, capacity, capacity_factor, overflow,
                  dp_size, weights_at, check_errors, tuple(sorted(options.items())), pattern, layers, remat, grad,
-                 frozen_x)
+                 frozen_x, capacity_per)
 
 
 @st.composite
@@ -390,25 +396,26 @@ def _expected_one(setup: Setup, arr: Arrays):
     first = np.arange(G) * s.dp_size * T  # each group's first rank's rows
     group = lambda a: np.stack([a[f:f + T] for f in first]) if a is not None else None  # noqa: E731
     counts = arr.num_tokens[::s.dp_size]
-    capacity = cfg.capacity_for(s.world)
+    capacity, per_expert = cfg.capacity_for(s.world), cfg.expert_capacity_for(s.world)
     layouts = oracle.dispatch(group(x), group(arr.ids), counts, group(scales), world=s.world, dp_size=s.dp_size,
-                              num_experts=s.E, align=s.align, capacity=capacity)
-    error = None
-    bad = oracle.routing_error(group(arr.ids), counts, s.E)
-    if bad == "outside":
-        error = "is outside [-1, num_experts)"
-    elif s.overflow == "error" and any(lay.rows_needed > capacity for lay in layouts):
-        error = "capacity"
-    expert_y = np.stack([_np_stand_in_expert(lay.expert_x, lay.expert_scales, np.dtype(s.out_dtype))
-                         for lay in layouts])
-    y = oracle.combine(expert_y, layouts, group(arr.ids), arr.weights.reshape(s.world, T, s.K), counts,
-                       dp_size=s.dp_size, num_experts=s.E, out_dtype=np.dtype(s.out_dtype))
+                              num_experts=s.E, align=s.align, capacity=capacity, expert_capacity=per_expert)
     live = np.zeros(s.E, np.int64)
     for g in range(G):
         for t in range(int(counts[g])):
             for k in range(s.K):
                 if oracle.routed(group(arr.ids), g, t, k) and group(arr.ids)[g, t, k] < s.E:
                     live[group(arr.ids)[g, t, k]] += 1
+    error = None
+    bad = oracle.routing_error(group(arr.ids), counts, s.E)
+    if bad == "outside":
+        error = "is outside [-1, num_experts)"
+    elif s.overflow == "error" and (any(lay.rows_needed > capacity for lay in layouts)
+                                    or (per_expert is not None and (live > per_expert).any())):
+        error = "capacity"
+    expert_y = np.stack([_np_stand_in_expert(lay.expert_x, lay.expert_scales, np.dtype(s.out_dtype))
+                         for lay in layouts])
+    y = oracle.combine(expert_y, layouts, group(arr.ids), arr.weights.reshape(s.world, T, s.K), counts,
+                       dp_size=s.dp_size, num_experts=s.E, out_dtype=np.dtype(s.out_dtype))
     return layouts, y, live, error
 
 

@@ -50,14 +50,16 @@ def routed(topk_ids, g: int, t: int, k: int) -> bool:
     return e >= 0 and all(int(topk_ids[g, t, j]) != e for j in range(k))
 
 
-def dispatch(x, topk_ids, num_tokens, scales=None, *, world, dp_size, num_experts, align, capacity):
+def dispatch(x, topk_ids, num_tokens, scales=None, *, world, dp_size, num_experts, align, capacity,
+             expert_capacity=None):
     """Receive layout of every rank.
 
     x [G, T, H], topk_ids [G, T, K], num_tokens [G], scales [G, T, H // B] or None. Returns a list of
     ``world`` ShardLayout. Rank r, local expert l (global e = r * L + l) receives, ordered by (g, t), one row per
     (group g, token t < num_tokens[g], slot k) with topk_ids[g, t, k] == e and no earlier slot of the token naming
     e; each expert's run is padded with zero rows to a multiple of ``align``; rows past the last expert's run are
-    zero / -1.
+    zero / -1. With ``expert_capacity`` (capacity_per="expert") each expert keeps only its first ``expert_capacity``
+    rows in that order; ``rows_needed`` then counts the kept rows, padded.
     """
     num_groups, max_tokens, k_slots = topk_ids.shape
     assert num_groups * dp_size == world
@@ -73,6 +75,8 @@ def dispatch(x, topk_ids, num_tokens, scales=None, *, world, dp_size, num_expert
                 for t in range(int(num_tokens[g])):
                     for k in range(k_slots):
                         if int(topk_ids[g, t, k]) == expert and routed(topk_ids, g, t, k):
+                            if expert_capacity is not None and count == expert_capacity:
+                                continue  # past the expert's own capacity: dropped
                             rows.append(x[g, t])
                             if scales is not None:
                                 scale_rows.append(scales[g, t])

@@ -372,6 +372,7 @@ README_DEFAULTS = {
     "backend": "auto", "custom_vjp": None, "grad_dtype": None, "check_errors": True, "timeout_s": 30.0,
     "prereduce_min_tokens": 64, "ids_first_min_tokens": 1024, "low_latency_max_tokens": 0, "staged": False,
     "max_symmetric_bytes": None, "max_sms": None, "send_stream": None, "batch_axes": None,
+    "expert_weights": False,
 }
 RESOLVED = {"backend", "custom_vjp", "batch_axes"}  # documented as resolved choices ("auto", None: ...)
 

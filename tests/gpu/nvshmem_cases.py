@@ -166,6 +166,9 @@ def run_case(mesh, seed, name, cfg, kind="uniform", num_tokens="full", weights_t
     assert np.array_equal(dn.expert_counts, dr.expert_counts), "expert_counts differ"
     assert np.array_equal(dn.dropped_rows, dr.dropped_rows), "dropped_rows differ"
     assert np.array_equal(dn.handle.row_origin, dr.handle.row_origin), "row_origin differs"
+    assert np.array_equal(dn.expert_ids, dr.expert_ids), "expert_ids differ"
+    if weights_to == "dispatch":
+        assert np.array_equal(dn.expert_weights, dr.expert_weights), "expert_weights differ"
     for r in range(world):
         used = int(dr.group_sizes[r * L:(r + 1) * L].sum())
         sl = slice(r * cap, r * cap + used)
@@ -1231,6 +1234,29 @@ def main() -> int:
             mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity=20, align=4, overflow="drop"), kind="skewed")),
         ("drop: capacity factor 1, staged puts", lambda s: staged_puts(lambda: run_case(
             mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity_factor=1.0, overflow="drop"), kind="skewed"))),
+        # capacity_per="expert": each local expert keeps its first C_e rows (by source group, token), the same rows
+        # as the reference keeps, on every path of the receive (fused, staged, windowed, ids first, pre-reduced).
+        ("per expert: capacity factor 1, skewed", lambda s: run_case(
+            mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity_factor=1.0, overflow="drop", capacity_per="expert"),
+            kind="skewed")),
+        ("per expert: capacity 8 align 4, weights with dispatch", lambda s: run_case(
+            mesh, s, "", C(8, 2, 64, 32, dtype=bf16, capacity=8, align=4, overflow="drop", capacity_per="expert"),
+            kind="skewed", weights_to="dispatch", num_tokens="partial")),
+        ("expert weights: an all_gather (GPU per process)", lambda s: with_options(lambda: run_case(
+            mesh, s, "", C(8, 2, 64, 32, dtype=bf16, capacity=8, align=4, overflow="drop", capacity_per="expert"),
+            kind="skewed", weights_to="dispatch"), "expert weights", expert_weights=True)),
+        ("per expert: staged puts", lambda s: staged_puts(lambda: run_case(
+            mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity=12, overflow="drop", capacity_per="expert"),
+            kind="skewed"))),
+        ("per expert: windowed", lambda s: windowed(lambda: run_case(
+            mesh, s, "", C(8, 3, 64, 32, dtype=bf16, capacity=12, overflow="drop", capacity_per="expert"),
+            kind="skewed"), 7)),
+        ("per expert: ids first, pre-reduced", lambda s: ids_first(lambda: prereduced(lambda: run_case(
+            mesh, s, "", C(16, 4, 128, 64, dtype=bf16, capacity_factor=1.0, align=4, overflow="drop",
+                           capacity_per="expert"), kind="one_hot")))),
+        ("per expert: fp8 quantize, one hot", lambda s: run_case(
+            mesh, s, "", C(8, 2, 256, 32, dtype=fp8, scale_block=128, capacity_factor=1.0, overflow="drop",
+                           capacity_per="expert"), kind="one_hot", quantize=True)),
         # Regressions: a cut inside an expert's padded run (the padding was zeroed past capacity, into XLA's next
         # buffers), per slot and pre-reduced, one row, and one hot expert with in-kernel quantization.
         ("drop: a cut inside a padded run", lambda s: run_case(
