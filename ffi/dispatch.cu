@@ -96,7 +96,9 @@ __global__ void dispatch_ids_first_kernel(Context ctx, DispatchSendArgs send, Di
   Receive r = carve_receive(s, smem);
   read_token_counts(ctx, r, s.rank);  // pass 0: our own tokens (group s.rank); pass 1: the others
   mark(ctx, kDispatchRecv, kWaited);
-  const int senders = gridDim.x / 2;  // 0 in a grid of one block: it sends, then copies
+  // Blocks [0, senders) store the rows to the other ranks, the others copy this rank's own rows (a grid of one block
+  // sends, then copies). A rank with no peer has no rows to send: every block copies.
+  const int senders = s.world > 1 ? gridDim.x / 2 : 0;
   const Share shares[2] = {share_of(r.first[0], s.num_dp, senders, gridDim.x - senders),
                            share_of(r.first[1], s.num_dp, 0, gridDim.x)};
   histogram_split(ctx, r, shares, 2);
@@ -105,7 +107,7 @@ __global__ void dispatch_ids_first_kernel(Context ctx, DispatchSendArgs send, Di
   derive_layout(ctx, recv, r);
   mark(ctx, kDispatchRecv, kStep2);  // layout derived
 
-  if (static_cast<int>(blockIdx.x) < max(senders, 1)) {
+  if (s.world > 1 && static_cast<int>(blockIdx.x) < max(senders, 1)) {
     store_remote_rows(ctx, send, my_tokens, max(senders, 1));
     mark(ctx, kDispatchSend, kWorked);
     __threadfence_system();  // this thread's rows reach every peer before the kRowsLanded signal

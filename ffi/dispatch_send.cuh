@@ -291,7 +291,9 @@ __device__ inline void store_remote_rows(const Context& ctx, const DispatchSendA
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int i = blockIdx.x * warps + threadIdx.x / 32; i < my_tokens; i += blocks * warps) {
     const int dest = lane_dest(s, a.topk_ids + static_cast<size_t>(i) * s.experts_per_token, lane);
-    store_token_row(ctx, static_cast<size_t>(s.rank) * s.slots_per_source + i, a, i, lane, dest == s.rank ? -1 : dest);
+    const int remote = dest == s.rank ? -1 : dest;
+    if (!__any_sync(0xffffffffu, remote >= 0)) continue;  // every live expert is here: no row is loaded
+    store_token_row(ctx, static_cast<size_t>(s.rank) * s.slots_per_source + i, a, i, lane, remote);
   }
 }
 
