@@ -191,17 +191,31 @@ def good_dispatch_args(dtype=jnp.float32):
     return jnp.zeros((T, H), dtype), jnp.zeros((T, K), jnp.int32)
 
 
-@pytest.mark.parametrize("method", ["dispatch", "dispatch_send"])
+@pytest.mark.parametrize(("x", "message"), [
+    (jnp.zeros((T + 1, H), jnp.float32), r"^x has 5 rows per shard; one MoEComm takes 1 to max_tokens \(4\)"),
+    (jnp.zeros((T, H - 1), jnp.float32), r"^x must have shape \(4, 32\)"),
+    (jnp.zeros((T,), jnp.float32), r"^x must be an array \[n, hidden\] \(n <= max_tokens = 4\), got \(4,\)"),
+    (jnp.zeros((T, H), jnp.bfloat16), r"^x must have dtype float32, got bfloat16"),
+    ([[0.0] * H] * T, r"^x must be an array \[n, hidden\] \(n <= max_tokens = 4\), got list"),
+])
+def test_x_shape_and_dtype(comm, x, message):
+    """dispatch: x [n, H] with 1 <= n <= max_tokens, in the config's dtype."""
+    with pytest.raises(ValueError, match=message):
+        comm.dispatch(x, jnp.zeros((len(x), K), jnp.int32))
+
+
 @pytest.mark.parametrize(("x", "message"), [
     (jnp.zeros((T + 1, H), jnp.float32), r"^x must have shape \(4, 32\) \(per shard\), got \(5, 32\)"),
+    (jnp.zeros((T - 1, H), jnp.float32), r"^x must have shape \(4, 32\) \(per shard\), got \(3, 32\)"),
     (jnp.zeros((T, H - 1), jnp.float32), r"^x must have shape \(4, 32\)"),
     (jnp.zeros((T,), jnp.float32), r"^x must have shape \(4, 32\)"),
     (jnp.zeros((T, H), jnp.bfloat16), r"^x must have dtype float32, got bfloat16"),
     ([[0.0] * H] * T, r"^x must be an array of shape \(4, 32\), got list"),
 ])
-def test_x_shape_and_dtype(comm, method, x, message):
+def test_x_shape_and_dtype_of_the_split_send(comm, x, message):
+    """dispatch_send: x exactly [max_tokens, H] (the split halves take no other row count)."""
     with pytest.raises(ValueError, match=message):
-        getattr(comm, method)(x, jnp.zeros((T, K), jnp.int32))
+        comm.dispatch_send(x, jnp.zeros((len(x), K), jnp.int32))
 
 
 @pytest.mark.parametrize(("ids", "message"), [
@@ -288,11 +302,11 @@ def test_handle_must_be_a_combine_handle(comm, method):
 @pytest.mark.parametrize("method", ["combine", "combine_send", "combine_recv"])
 @pytest.mark.parametrize(("weights", "message"), [
     (jnp.zeros((T, K + 1), jnp.float32), r"^topk_weights must have shape \(4, 2\) \(per shard\), got \(4, 3\)"),
-    (jnp.zeros((T, K), jnp.bfloat16), r"^topk_weights must have dtype float32, got bfloat16"),
-    (jnp.zeros((T, K), jnp.int32), r"^topk_weights must have dtype float32, got int32"),
+    (jnp.zeros((T, K), jnp.int32), r"^topk_weights must have a float dtype \(cast to float32 inside\), got int32"),
 ])
 def test_topk_weights_shape_and_dtype(comm, method, weights, message):
-    """topk_weights: float32 [max_tokens, K], checked before anything is sent."""
+    """topk_weights: [max_tokens, K] of a float dtype (any: test_model_integration runs bfloat16), checked before
+    anything is sent."""
     expert_y = jnp.zeros((comm.capacity, H), jnp.bfloat16)
     args = (None, weights) if method == "combine_recv" else (expert_y, _handle(comm), weights)
     with pytest.raises(ValueError, match=message):
