@@ -196,4 +196,9 @@ NB_MODULE(_nvshmem_ext, m) {
 #endif
         {"check", nb::capsule(reinterpret_cast<void*>(jmc_check))}};
   }, "XLA FFI handler capsules for jax.ffi.register_ffi_target(..., platform='CUDA').");
+  m.def("raise_if_failed_handlers", [] {
+    return std::map<std::string, nb::capsule>{
+        {"cpu", nb::capsule(reinterpret_cast<void*>(jmc_raise_if_failed_host))},
+        {"CUDA", nb::capsule(reinterpret_cast<void*>(jmc_raise_if_failed_device))}};
+  }, "The status check's XLA FFI handler capsules by platform (errors.py registers them).");
 }

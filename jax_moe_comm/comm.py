@@ -175,8 +175,8 @@ class MoEComm:
           one (the host runs at most two round trips ahead of the GPU); the failed step's own outputs are NaN and
           read without error. ``check()`` raises one reported since; ``close()`` raises one that no check raised, and
           at interpreter exit one is printed (stderr). On the reference backend every rank raises at the end of the
-          failed round trip (a host callback on the device's conditional: it runs only when the round trip failed).
-        - "sync": at the end of the failed round trip on every backend (on the NVSHMEM backend a host callback, which
+          failed round trip (a check on the device's conditional: it runs only when the round trip failed).
+        - "sync": at the end of the failed round trip on every backend (on the NVSHMEM backend a check which
           synchronizes the stream every round trip: for debugging).
         - False: nothing is raised; dispatch's own errors stay readable in ``handle.status``, and ``check()``
           raises what the GPU reported.

@@ -15,8 +15,9 @@ The codes match ``ffi/context.h``; the texts below are the only ones, also given
 What the user catches. An error found in a step (the reference backend's check at the end of the failed round trip,
 ``check_errors="sync"``, the NVSHMEM backend's check in front of a round trip) stops the step's computation on every
 rank and is raised by JAX where the step's outputs are read, jitted or eager, as JAX's own
-``jax.errors.JaxRuntimeError``: its text ends with our message ``jax_moe_comm: <phase> failed on rank <r>: ...``
-(after a host callback, below the line per frame that JAX writes of the callback's stack). ``MoEComm.check()`` raises
+``jax.errors.JaxRuntimeError``: its text is XLA's code and our message, ``ABORTED: jax_moe_comm: <phase> failed on
+rank <r>: ...`` (without the CUDA extension the reference backend's check is a host callback: then the message comes
+last, below the line per frame that JAX writes of the callback's stack). ``MoEComm.check()`` raises
 ``MoECommError`` from host code, a subclass of ``jax.errors.JaxRuntimeError`` (and of ``RuntimeError``). So
 ``except jax.errors.JaxRuntimeError`` catches both, ``except MoECommError`` what ``check()`` raises. Each error is
 printed once: JAX's per-device log records of our callback's error are dropped, and JAX does not raise the failed
@@ -26,6 +27,7 @@ step again at exit (``_forget_own_failures``).
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import re
 
@@ -141,21 +143,49 @@ def _check_errors(words, after):
     return np.zeros((), np.int32)
 
 
+def _callback_check(word: Array, after: Array) -> Array:
+    # pure_callback, not jax.debug.callback (which logs the error once per device) nor io_callback (whose effect
+    # jax.checkpoint refuses): XLA keeps it because its result is used, and a recomputed one raises the same.
+    return jax.pure_callback(_check_errors, jax.ShapeDtypeStruct((), jnp.int32), word, after)
+
+
+_RAISE_TARGET = "jmc_raise_if_failed"
+
+
+@functools.cache
+def _raise_target_registered() -> bool:
+    """Registers the CUDA extension's status check (ffi/handlers.cu, RaiseIfFailed*: the failure's text as the call's
+    own error) for the CPU and the GPU, once per process; False without the extension (a CPU-only install)."""
+    from . import _native
+    if _native.ext is None:
+        return False
+    give_texts_to(_native.ext)
+    for platform, capsule in _native.ext.raise_if_failed_handlers().items():
+        jax.ffi.register_ffi_target(_RAISE_TARGET, capsule, platform=platform)
+    return True
+
+
 def check_now(word: Array, after: Array) -> Array:
     """Fails the computation with MoECommError's message when the traced status word's code is non-zero (the user
-    catches JAX's jax.errors.JaxRuntimeError where the outputs are read): a host callback, which synchronizes with
-    the device. Every rank holds the same round trip status, so every rank raises at the same
-    callback and none is left waiting in a collective for one that stopped.
+    catches JAX's jax.errors.JaxRuntimeError where the outputs are read). It synchronizes with the device. Every rank
+    holds the same round trip status, so every rank raises at the same check and none is left waiting in a
+    collective for one that stopped.
 
-    `after` is any value computed by the call's last transfer: the callback consumes it, so XLA cannot schedule
-    the raise before that transfer. Returns `after`, bit for bit, made to depend on the callback: callers use it in
-    place of `after`, so the error also reaches the outputs where each primitive runs as its own computation (an
-    eager shard_map, where a callback without consumers fails only its runtime token and nothing raises)."""
-    # pure_callback, not jax.debug.callback (which logs the error once per device) nor io_callback (whose effect
-    # jax.checkpoint refuses): XLA keeps it because `after` depends on its result, and a recomputed one raises the
-    # same. No JVP, and none needed (its inputs carry no tangent, its int32 result none either).
-    ok = jax.pure_callback(_check_errors, jax.ShapeDtypeStruct((), jnp.int32), word,
-                           jax.lax.stop_gradient(after.reshape(-1)[:1]))
+    With the CUDA extension the check is its FFI handler, on the CPU and on the GPU: the error's text is XLA's code
+    and our message (``ABORTED: jax_moe_comm: ...``). Without it (or on another platform) it is a host callback, and
+    JAX writes the callback's stack before our message.
+
+    `after` is any value computed by the call's last transfer: the check consumes it, so XLA cannot schedule the
+    raise before that transfer. Returns `after`, bit for bit, made to depend on the check: callers use it in place
+    of `after`, so the error also reaches the outputs where each primitive runs as its own computation (an eager
+    shard_map, where a check without consumers fails only its runtime token and nothing raises). No JVP, and none
+    needed (its inputs carry no tangent, its int32 result none either)."""
+    operand = jax.lax.stop_gradient(after.reshape(-1)[:1])
+    if _raise_target_registered():
+        handler = jax.ffi.ffi_call(_RAISE_TARGET, jax.ShapeDtypeStruct((), jnp.int32))
+        ok = jax.lax.platform_dependent(word, operand, cpu=handler, cuda=handler, default=_callback_check)
+    else:
+        ok = _callback_check(word, operand)
     return jnp.where(ok == 0, after, jnp.zeros_like(after))
 
 
@@ -173,7 +203,7 @@ def _check_failed(word: Array, after: Array) -> Array:
 
 def check_if_failed(word: Array, after: Array) -> Array:
     """check_now, run only when the status's code is non-zero (a conditional on the device): a round trip that
-    succeeds costs no host callback and no synchronization; a failed one raises at its end, as check_now does.
+    succeeds costs no check and no synchronization; a failed one raises at its end, as check_now does.
     Returns `after`, bit for bit, made to depend on the conditional."""
     return jax.lax.cond(word[CODE] != 0, _check_failed, lambda word, after: after, word, after)
 

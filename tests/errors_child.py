@@ -1,13 +1,14 @@
 """Child process for tests/test_check_errors.py: a bad expert id in a multi-layer step, on CPU devices.
 
-    python tests/errors_child.py VIEW OUTCOME [LAYERS]
+    python tests/errors_child.py VIEW OUTCOME [LAYERS] [CHECK]
 
 VIEW: "shard_map" (per-shard calls inside the user's shard_map, under jax.jit), "global" (jax_moe_comm.dispatch and
 combine under jax.jit) or "eager" (jax_moe_comm.dispatch and combine, no jit). OUTCOME: "caught" (the step in a
 ``try``; prints what was caught and exits), "later" (a valid step first, then the failing one in a ``try``: the
 failing call of an already compiled step) or "uncaught" (the error ends the process). The device count comes from
 the parent's XLA_FLAGS, or under jax_moe_comm.launch one CPU device per process. Layer 1 of LAYERS (default 3; layer
-0 when there is one) gets the id ``num_experts`` on the last rank's token 1.
+0 when there is one) gets the id ``num_experts`` on the last rank's token 1. CHECK: "handler" (default: the CUDA
+extension's check where it is installed) or "callback" (the host callback of an install without it).
 """
 
 import os
@@ -69,7 +70,10 @@ def main(view: str, outcome: str, layers: int) -> None:
     except Exception as exc:  # noqa: BLE001 (what was raised is the result)
         print(f"CAUGHT {type(exc).__module__}.{type(exc).__qualname__} "
               f"is_jax_runtime_error={isinstance(exc, jax.errors.JaxRuntimeError)}")
-        print("LAST LINE:", str(exc).splitlines()[-1])
+        lines = str(exc).splitlines()
+        print("FIRST LINE:", lines[0])
+        if len(lines) > 1:
+            print("LAST LINE:", lines[-1])
     else:
         print("NO ERROR")
     # The failed step stays the last one: a later step would replace the failed runtime tokens JAX waits for at exit.
@@ -78,5 +82,7 @@ def main(view: str, outcome: str, layers: int) -> None:
 if __name__ == "__main__":
     if "JAX_COORDINATOR_ADDRESS" in os.environ:  # under jax_moe_comm.launch
         initialize_distributed()
+    if sys.argv[4:] == ["callback"]:  # as an install without the CUDA extension checks
+        jmc.errors._raise_target_registered = lambda: False
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 3)
     print("EXITING NORMALLY")

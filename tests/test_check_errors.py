@@ -4,9 +4,10 @@ A round trip that fails anywhere fails everywhere: every rank ends it with the s
 NaN on every rank, and with the default ``check_errors=True`` every rank raises the same message at the same call,
 so that a step of many MoE layers stops with one error instead of leaving devices waiting in a later collective.
 
-What the user sees and catches: the step raises one ``jax.errors.JaxRuntimeError`` whose text ends with our message,
-printed once (no per-device log records, nothing again at exit); ``MoECommError``, which host code raises, is a
-subclass of it.
+What the user sees and catches: the step raises one ``jax.errors.JaxRuntimeError`` whose text begins with our message
+after XLA's code (``ABORTED: jax_moe_comm: ...``; an install without the CUDA extension checks with a host callback,
+whose error JAX ends with our message), printed once (no per-device log records, nothing again at exit);
+``MoECommError``, which host code raises, is a subclass of it.
 """
 
 from __future__ import annotations
@@ -75,11 +76,13 @@ def test_an_error_on_one_rank_raises_on_every_rank_with_that_ranks_message(mode)
         jax.block_until_ready(_round_trip(check_errors=mode)(*_inputs(bad_rank=3, bad_id=E)))
 
 
-def test_the_default_check_costs_no_host_callback_unless_a_round_trip_fails(monkeypatch):
-    """check_errors=True on the reference backend: a jitted chain of 4 valid round trips calls the check's host
-    function on no device (it sits in a conditional that runs only for a failed round trip), and returns what
-    check_errors=False returns; with a bad id in the second round trip it is called once per device (the step stops
-    there) and the step raises."""
+def test_the_default_check_runs_only_when_a_round_trip_fails(monkeypatch):
+    """check_errors=True on the reference backend: a jitted chain of 4 valid round trips runs the check on no device
+    (it sits in a conditional that runs only for a failed round trip), and returns what check_errors=False returns;
+    with a bad id in the second round trip it runs once per device (the step stops there) and the step raises. (The
+    check counted is the host callback of an install without the CUDA extension; the extension's handler sits in
+    the same conditional.)"""
+    monkeypatch.setattr(errors, "_raise_target_registered", lambda: False)
     calls = []
     host_check = errors._check_errors
 
@@ -213,13 +216,26 @@ CHILD_MESSAGE = ("jax_moe_comm: dispatch_send failed on rank {rank}: expert id 1
                  "[-1, num_experts)")
 
 
-def _run_child(view: str, outcome: str, devices: int, layers: int = 3) -> tuple[subprocess.CompletedProcess, str]:
+# The two checks: the CUDA extension's FFI handler (the error's text is XLA's code, then our message) and, without
+# the extension, a host callback (JAX writes the callback's stack first; our message is the last line).
+CHECKS = [pytest.param("handler", marks=pytest.mark.skipif(not jax_moe_comm.build_info()["cuda"],
+                                                           reason="an install without the CUDA extension")),
+          "callback"]
+
+
+def _our_line(check: str, message: str) -> str:
+    """The child's line that carries our message: the error's first line (handler) or its last (callback)."""
+    return f"FIRST LINE: ABORTED: {message}" if check == "handler" else f"LAST LINE: MoECommError: {message}"
+
+
+def _run_child(view: str, outcome: str, devices: int, layers: int = 3,
+               check: str = "handler") -> tuple[subprocess.CompletedProcess, str]:
     """tests/errors_child.py on `devices` CPU devices: (the finished process, its stdout + stderr)."""
     env = standalone_cpu_env()
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     try:
-        done = subprocess.run([sys.executable, str(CHILD), view, outcome, str(layers)], capture_output=True, text=True,
-                              timeout=120, env=env)
+        done = subprocess.run([sys.executable, str(CHILD), view, outcome, str(layers), check], capture_output=True,
+                              text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the {view} step hung instead of raising")
     return done, done.stdout + done.stderr
@@ -239,24 +255,27 @@ def test_a_moe_comm_error_is_a_jax_runtime_error():
                                  "[-1, num_experts)")
 
 
+@pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize(("view", "devices"), [("shard_map", 4), ("global", 8)])
-def test_a_caught_error_of_a_jitted_step_is_printed_once_and_nothing_at_exit(view, devices):
-    """A bad id in layer 1 of a jitted 3-layer step: the process catches one jax.errors.JaxRuntimeError whose last
-    line is our message, and exits normally. The child prints that line once; nothing else prints the message (no
-    per-device log record of the callback's error, no re-raise of the failed step by JAX's atexit hooks)."""
-    done, output = _run_child(view, "caught", devices)
+def test_a_caught_error_of_a_jitted_step_is_printed_once_and_nothing_at_exit(view, devices, check):
+    """A bad id in layer 1 of a jitted 3-layer step: the process catches one jax.errors.JaxRuntimeError that leads
+    with our message (after XLA's code; the last line with the host callback), and exits normally. The child prints
+    the message once; nothing else prints it (no per-device log record of the callback's error, no re-raise of the
+    failed step by JAX's atexit hooks)."""
+    done, output = _run_child(view, "caught", devices, check=check)
     assert done.returncode == 0, output[-3000:]
     assert "CAUGHT jax.errors.JaxRuntimeError is_jax_runtime_error=True" in done.stdout, output[-3000:]
     message = CHILD_MESSAGE.format(rank=devices - 1)
-    assert f"LAST LINE: MoECommError: {message}" in done.stdout, output[-3000:]
+    assert _our_line(check, message) in done.stdout, output[-3000:]
     assert output.count(message) == 1, output[-6000:]
     assert "Exception ignored" not in output, output[-6000:]
     assert "jax.io_callback failed" not in output, output[-6000:]
     assert done.stdout.rstrip().endswith("EXITING NORMALLY"), output[-3000:]
 
 
+@pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("view", ["shard_map", "global"])
-def test_a_later_step_of_a_multi_process_job_raises_a_jax_runtime_error(view):
+def test_a_later_step_of_a_multi_process_job_raises_a_jax_runtime_error(view, check):
     """Two CPU processes under the launcher: a jitted step that has run once (a training loop's later step) fails
     with the same type as its first call and as one process: jax.errors.JaxRuntimeError on every rank. (JAX's C++
     dispatch path raised a callback's failure as ValueError there; the check's conditional branch gives the step
@@ -264,7 +283,7 @@ def test_a_later_step_of_a_multi_process_job_raises_a_jax_runtime_error(view):
     env = standalone_cpu_env()
     try:
         done = subprocess.run([sys.executable, "-m", "jax_moe_comm.launch", "-n", "2", "--cpu", "--", str(CHILD), view,
-                               "later"], capture_output=True, text=True, timeout=180, env=env)
+                               "later", "3", check], capture_output=True, text=True, timeout=180, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the {view} step hung instead of raising")
     output = done.stdout + done.stderr
@@ -272,28 +291,35 @@ def test_a_later_step_of_a_multi_process_job_raises_a_jax_runtime_error(view):
     for rank in (0, 1):
         assert f"[rank {rank}] CAUGHT jax.errors.JaxRuntimeError is_jax_runtime_error=True" in done.stdout, \
             output[-3000:]
-        assert f"[rank {rank}] LAST LINE: MoECommError: {CHILD_MESSAGE.format(rank=1)}" in done.stdout, output[-3000:]
+        assert f"[rank {rank}] {_our_line(check, CHILD_MESSAGE.format(rank=1))}" in done.stdout, output[-3000:]
 
 
-def test_an_uncaught_error_prints_one_traceback_ending_with_our_message():
-    """Left uncaught, the error ends the process with Python's one traceback, whose last line is our message, and
-    nothing after it."""
-    done, output = _run_child("shard_map", "uncaught", 8)
+@pytest.mark.parametrize("check", CHECKS)
+def test_an_uncaught_error_prints_one_traceback_ending_with_our_message(check):
+    """Left uncaught, the error ends the process with Python's one traceback, whose last line is our message (after
+    the error's type and XLA's code; with the host callback, after the callback's stack), and nothing after it."""
+    done, output = _run_child("shard_map", "uncaught", 8, check=check)
     assert done.returncode == 1, output[-3000:]
     message = CHILD_MESSAGE.format(rank=7)
     assert output.count(message) == 1, output[-6000:]
-    assert output.count("Traceback (most recent call last)") == 2, output[-6000:]  # Python's, and JAX's in its text
-    assert "jax.errors.JaxRuntimeError: " in done.stderr, output[-3000:]
-    assert done.stderr.rstrip().splitlines()[-1] == f"MoECommError: {message}", output[-3000:]
+    last = done.stderr.rstrip().splitlines()[-1]
+    if check == "handler":
+        assert output.count("Traceback (most recent call last)") == 1, output[-6000:]
+        assert last == f"jax.errors.JaxRuntimeError: ABORTED: {message}", output[-3000:]
+    else:
+        assert output.count("Traceback (most recent call last)") == 2, output[-6000:]  # Python's, and JAX's in its text
+        assert "jax.errors.JaxRuntimeError: " in done.stderr, output[-3000:]
+        assert last == f"MoECommError: {message}", output[-3000:]
     assert "Exception ignored" not in output, output[-6000:]
     assert "NO ERROR" not in done.stdout
 
 
-def test_an_eager_step_raises_at_its_read():
+@pytest.mark.parametrize("check", CHECKS)
+def test_an_eager_step_raises_at_its_read(check):
     """Without jit each primitive of a shard_map runs as its own computation: the check's callback fails only its
     runtime token unless the output depends on the callback's result (errors.check_now returns it). One layer:
     eager calls compile every primitive."""
-    done, output = _run_child("eager", "caught", 4, layers=1)
+    done, output = _run_child("eager", "caught", 4, layers=1, check=check)
     assert done.returncode == 0, output[-3000:]
     assert "CAUGHT jax.errors.JaxRuntimeError is_jax_runtime_error=True" in done.stdout, output[-3000:]
     assert output.count(CHILD_MESSAGE.format(rank=3)) == 1, output[-6000:]
