@@ -1010,7 +1010,7 @@ def case_unraised_failure_at_close(mesh, seed):
 
 def case_bad_ids_in_a_chain(mesh, seed, sync: bool = False):
     """Three round trips on one MoEComm in one call, a bad id in the first: the same call raises (the check of the
-    third round trip, two after the failure; with check_errors="sync" the first's own callback), on every rank, at
+    third round trip, two after the failure; with check_errors="sync" the first's own check), on every rank, at
     once."""
     world = mesh.shape["ep"]
     cfg = jmc.MoECommConfig(8, 2, 64, 16, dtype=jnp.float32, out_dtype=jnp.float32)
