@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The wheel on a GPU machine, offline: build this tree's wheel, install it into a fresh venv that sees the machine's
-# jax and NVSHMEM (--system-site-packages, --no-deps), then from a folder outside the source tree run the demo at
-# world 1 and the GPU cases at world 1 and with two processes on GPU 0. Summary in $OUT/summary.txt.
+# The wheel on a GPU machine, offline: build this tree's wheel, install it into the environment that holds the
+# machine's jax and NVSHMEM (--no-deps; uninstalled at the end), then from a folder outside the source tree run the
+# demo at world 1 and the GPU cases at world 1 and with two processes on GPU 0. Summary in $OUT/summary.txt. (Not a
+# fresh venv: the machine's jax lives in a venv, which a --system-site-packages venv does not see, and the extension
+# loads NVSHMEM's host library from the nvidia-nvshmem wheel beside it.)
 #   OUT=/tmp/out bash tests/gpu/wheel_check.sh        (or WHEEL=1 bash tests/gpu/run.sh)
 # WHEEL_FILE=path: install that wheel (e.g. the one CI built) instead of building one here. WHEEL_CASES /
 # WHEEL_SHARED_CASES: the cases' --only at world 1 / with two processes (default: every case).
@@ -29,11 +31,11 @@ else
   rc=$?; result $rc "pip wheel: $(ls "$WORK"/dist 2>/dev/null)"
   [ $rc = 0 ] || { tail -40 "$OUT/wheel_build.log" | tee -a "$OUT/summary.txt"; exit 1; }
 fi
-step "install into a fresh venv (--system-site-packages, --no-deps)"
-timeout 300 "$PY" -m venv --system-site-packages "$WORK/venv" &&
-  timeout 300 "$WORK/venv/bin/python" -m pip install --no-deps --no-index "$WORK"/dist/*.whl > "$OUT/install.log" 2>&1
+step "install into $("$PY" -c 'import sys; print(sys.prefix)') (--no-deps)"
+timeout 300 "$PY" -m pip install --no-deps --no-index --force-reinstall "$WORK"/dist/*.whl > "$OUT/install.log" 2>&1
 rc=$?; result $rc "install"; [ $rc = 0 ] || exit 1
-PYV=$WORK/venv/bin/python
+trap '"$PY" -m pip uninstall -y jax_moe_comm > /dev/null 2>&1' EXIT
+PYV=$(command -v "$PY")
 cd "$WORK"  # outside the source tree: nothing of it on sys.path
 timeout 300 "$PYV" - > "$OUT/import.log" 2>&1 <<'PY'
 import os, sys, sysconfig
