@@ -1072,6 +1072,10 @@ def case_one_rank_faults(mesh, seed, fault, split=False):
         bad[(world - 1) * 16 + 3, 1] = 99
     x = to_global(mesh, np.ones((world * 16, 64), np.float32))
     w = to_global(mesh, np.ones((world * 16, 2), np.float32))
+    # Compiled on every process before one is late: the lateness must be the kernels', not the compile's. XLA:GPU can
+    # share autotuning between a job's processes through the distributed store (xla_gpu_shard_autotuning), so a
+    # compile with a GEMM (the split halves' `busy`) may wait there for the late process's compile.
+    step = step.lower(x, to_global(mesh, bad), w).compile()
     try:
         if fault == "late" and jax.process_index() == jax.process_count() - 1:
             time.sleep(2.5 * comm.timeout_s)
