@@ -41,7 +41,7 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
   const Sizes& s = ctx.s;
   const int chunks_per_row = (s.hidden + kChunk - 1) / kChunk;
   const long long items = static_cast<long long>(tokens) * chunks_per_row;
-  const int lane = threadIdx.x % 32;
+  const int lane = lane_index();
   const long long gwarp = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / 32;
   const long long nwarps = static_cast<long long>(gridDim.x) * blockDim.x / 32;
   const long long per_warp = ((items + nwarps - 1) / nwarps + 31) / 32 * 32;

@@ -72,7 +72,7 @@ __device__ inline bool combine_send_rows(const Context& ctx, const CombineSendAr
   }
   const uint64_t landed = tagged(current_epoch(ctx), kSlotLanded);
 
-  const int lane = threadIdx.x % 32, gwarp = spread_warp(), nwarps = gridDim.x * blockDim.x / 32;
+  const int lane = lane_index(), gwarp = spread_warp(), nwarps = grid_warps();
   const int row_bytes = s.hidden * a.elem_bytes;
   for (int p = gwarp; p < s.capacity; p += nwarps) {
     int group, slot;
@@ -122,7 +122,7 @@ __device__ inline bool combine_send_flagged(const Context& ctx, const CombineSen
     mark(ctx, kCombineSend, kWaited, true);
   }
   const uint32_t epoch = current_epoch(ctx);
-  const int lane = threadIdx.x % 32, gwarp = spread_warp(), nwarps = gridDim.x * blockDim.x / 32;
+  const int lane = lane_index(), gwarp = spread_warp(), nwarps = grid_warps();
   const int row_bytes = s.hidden * a.elem_bytes, pairs = row_bytes / 8;
   // Fewer rows than warps (a few tokens): each row in `pieces` parts, a warp each, part q of row p work item
   // q * capacity + p, so a row's parts run on different blocks. A warp alone stores a row's flagged words (twice its
@@ -151,8 +151,8 @@ __device__ inline void store_window_slot_rows(const Context& ctx, const CombineS
   const Sizes& s = ctx.s;
   const uint64_t landed = tagged(current_epoch(ctx), kSlotLanded);
   const int first = round * window_tokens(s) * s.experts_per_token, slots = window_tokens(s) * s.experts_per_token;
-  const int lane = threadIdx.x % 32, row_bytes = s.hidden * a.elem_bytes;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int row_bytes = s.hidden * a.elem_bytes;
+  const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
   for (int p = gwarp; p < s.capacity; p += nwarps) {
     int group, slot;
     if (!origin_slot(s, a.row_origin[p], &group, &slot) || slot < first || slot >= first + slots) continue;
@@ -199,8 +199,7 @@ __device__ inline void exchange_weights(const Context& ctx, const CombineSendArg
   const Sizes& s = ctx.s;
   const uint32_t epoch = current_epoch(ctx);
   const int K = s.experts_per_token, T = s.max_tokens, replica = s.rank % s.dp_size;
-  const int lane = threadIdx.x % 32;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
   const int gthread = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
 
   // 1. Our own token count is our own ready word (dispatch_send SETs it on every rank, this one included).
@@ -251,8 +250,7 @@ __device__ inline void store_partial_rows(const Context& ctx, const CombineSendA
   // the warp with the most rows ended the phase tens of microseconds after the rest.)
   const Sizes& s = ctx.s;
   const int K = s.experts_per_token, T = s.max_tokens, L = s.local_experts, H = s.hidden;
-  const int lane = threadIdx.x % 32;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
   const bool vector_ok = H % kChunk == 0 && (H * sizeof(In)) % 16 == 0;
   const bool vector_out = vector_ok && (H * sizeof(Partial)) % 16 == 0;
   const int segments = row_segments(s);
@@ -384,8 +382,7 @@ __device__ inline void exchange_weights_staged(const Context& ctx, const Combine
   const Sizes& s = ctx.s;
   const uint32_t epoch = current_epoch(ctx);
   const int K = s.experts_per_token, T = s.max_tokens, replica = s.rank % s.dp_size;
-  const int lane = threadIdx.x % 32;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
   const int gthread = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
   const int publish = arrived_tokens(ctx, s.rank);
   float* mine = ctx.combine_weights + static_cast<size_t>(s.rank) * s.slots_per_source * K;
@@ -463,8 +460,7 @@ __device__ inline bool combine_send_reduced_staged(const Context& ctx, const Com
   for (size_t e = first; e < static_cast<size_t>(s.dp_size) * s.world; e += stride) ctx.group_counts[e] = counts[e];
   store_partial_rows<In, Partial, true>(ctx, a, 0, s.slots_per_source, &runs);
   cooperative_groups::this_grid().sync();  // staging complete before any warp puts it
-  const int lane = threadIdx.x % 32;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
   for (int item = gwarp; item < s.world * s.dp_size; item += nwarps) {
     const int replica = item / s.dp_size, src = replica / s.dp_size * s.dp_size + item % s.dp_size;
     const int rows = ctx.dispatch_counts[src * s.world + s.rank];

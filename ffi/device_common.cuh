@@ -21,6 +21,12 @@ __device__ inline uint64_t now_ns() {
   return t;
 }
 
+// This thread's lane, its warp's index over the grid (block-major: the warps of block 0, then of block 1, ...) and
+// the grid's warp count: how the copy loops split their rows among warps.
+__device__ inline int lane_index() { return static_cast<int>(threadIdx.x % 32); }
+__device__ inline int grid_warp_index() { return static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32); }
+__device__ inline int grid_warps() { return static_cast<int>(gridDim.x * blockDim.x / 32); }
+
 // Kernels name peers by their rank in the MoEComm's EP group; NVSHMEM's calls take the PE of that rank.
 __device__ inline int pe_of(const Context& ctx, int rank) { return ctx.pe_of_rank[rank]; }
 
@@ -288,7 +294,7 @@ __device__ inline unsigned live_slots(const int32_t* ids, int K, int num_experts
 // slots in ascending order (at most K of them, whatever the world size). Called by a whole warp, lane k holding
 // slot k's rank (`slot_rank`, for k < K): the place of `rank` (the number of distinct ranks below it).
 __device__ inline int partial_place(unsigned live, int slot_rank, int rank) {
-  const int lane = threadIdx.x % 32;
+  const int lane = lane_index();
   const bool is_live = live >> lane & 1u;
   const int key = is_live ? slot_rank : -1 - lane;  // dead lanes match no other lane
   const unsigned same_rank = __match_any_sync(0xffffffffu, key);  // every lane (not behind the && below)

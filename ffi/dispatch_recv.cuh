@@ -443,7 +443,7 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
   const auto ids_at = [&](int i, int g) { return ids_of(ctx, arrival_of(s, g, sh.token_base + i - first[g])); };
   __shared__ unsigned local_slots[kThreads];
   __shared__ int16_t slot_expert[kThreads][kUnrolledSlots];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int lane = lane_index(), warp = threadIdx.x / 32, warps = blockDim.x / 32;
   for (int batch = sh.begin; batch < sh.end; batch += blockDim.x) {
     const int mine = batch + threadIdx.x;  // this thread's arrival: its bits
     unsigned here = 0;
@@ -500,7 +500,7 @@ __device__ inline void finish_receive(const Context& ctx, const DispatchRecvArgs
   const Sizes& s = ctx.s;
   // The padded runs may end past capacity (overflow="drop" cuts inside them): rows from capacity on do not exist.
   const int L = s.local_experts, packed_rows = min(r.expert_start[L], s.capacity);
-  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int lane = lane_index(), warps = blockDim.x / 32;
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < s.capacity; p += gridDim.x * blockDim.x) {
     const int l = p < packed_rows ? find_run(r.expert_start, L, p) : L;
     if (l == L || p - r.expert_start[l] >= r.expert_rows[l]) a.row_origin[p] = -1;

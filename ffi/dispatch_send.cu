@@ -35,8 +35,7 @@ __global__ void dispatch_send_staged_kernel(Context ctx, DispatchSendArgs a) {
   if (!begin_send(ctx, a, &my_tokens)) return;
   const Sizes& s = ctx.s;
   const int K = s.experts_per_token, replica = s.rank % s.dp_size, slots = s.slots_per_source;
-  const int lane = threadIdx.x % 32;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
   const size_t region = static_cast<size_t>(s.rank) * slots;  // this source's slots, in every rank's buffers
   int32_t* my_ids = ctx.dispatch_ids + region * K;
   int32_t* my_routes = ctx.dispatch_routes + region * K;

@@ -188,8 +188,7 @@ __device__ inline bool dispatch_send_p2p(const Context& ctx, const DispatchSendA
   if (!begin_send(ctx, a, &my_tokens)) return false;
   const Sizes& s = ctx.s;
   const int K = s.experts_per_token, replica = s.rank % s.dp_size;
-  const int lane = threadIdx.x % 32;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
   const int parts = Quantize ? quantize_parts(s, my_tokens, nwarps) : 1;
 
   for (int item = gwarp; item < my_tokens * parts; item += nwarps) {
@@ -237,8 +236,8 @@ __device__ inline bool dispatch_send_flagged(const Context& ctx, const DispatchS
   if (blockIdx.x == 0)
     for (int d = threadIdx.x; d < s.world; d += blockDim.x)
       signal_peer(ctx, ctx.dispatch_ready + s.rank, tagged(epoch, static_cast<uint32_t>(my_tokens)), d);
-  const int K = s.experts_per_token, replica = s.rank % s.dp_size, lane = threadIdx.x % 32;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int K = s.experts_per_token, replica = s.rank % s.dp_size;
+  const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
   const int payload_pairs = s.payload_bytes / 8, pairs = flagged_row_words(s) / 2;
   for (int i = gwarp; i < my_tokens; i += nwarps) {
     const int t = replica + i * s.dp_size;
@@ -288,7 +287,7 @@ __device__ inline void store_ids_rows(const Context& ctx, const DispatchSendArgs
 // token; this rank's own rows are read from x by its receive.
 __device__ inline void store_remote_rows(const Context& ctx, const DispatchSendArgs& a, int my_tokens, int blocks) {
   const Sizes& s = ctx.s;
-  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int lane = lane_index(), warps = blockDim.x / 32;
   for (int i = blockIdx.x * warps + threadIdx.x / 32; i < my_tokens; i += blocks * warps) {
     const int dest = lane_dest(s, a.topk_ids + static_cast<size_t>(i) * s.experts_per_token, lane);
     const int remote = dest == s.rank ? -1 : dest;
@@ -318,8 +317,8 @@ __device__ inline void signal_rows_landed(const Context& ctx, const DispatchSend
 template <bool Quantize>
 __device__ inline void store_window_rows(const Context& ctx, const DispatchSendArgs& a, int my_tokens, int round) {
   const Sizes& s = ctx.s;
-  const int K = s.experts_per_token, replica = s.rank % s.dp_size, lane = threadIdx.x % 32;
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int K = s.experts_per_token, replica = s.rank % s.dp_size;
+  const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
   const int first = round * s.window_slots, tokens = min(my_tokens - first, s.window_slots);  // <= 0: none
   const int parts = Quantize ? quantize_parts(s, max(tokens, 1), nwarps) : 1;
   for (int item = gwarp; item < tokens * parts; item += nwarps) {
