@@ -315,9 +315,9 @@ def test_an_uncaught_error_prints_one_traceback_ending_with_our_message(check):
 
 
 def test_an_eager_step_raises_at_its_read():
-    """Without jit each primitive of a shard_map runs as its own computation: the check's callback fails only its
-    runtime token unless the output depends on the callback's result (errors.check_now returns it). One layer:
-    eager calls compile every primitive."""
+    """Without jit each primitive of a shard_map runs as its own computation: the check fails only its runtime token
+    unless the output depends on the check's result (errors.check_now returns it). One layer: eager calls compile
+    every primitive."""
     check = "handler" if jax_moe_comm.build_info()["cuda"] else "callback"  # either: both return check_now's value
     done, output = _run_child("eager", "caught", 4, layers=1, check=check)
     assert done.returncode == 0, output[-3000:]
