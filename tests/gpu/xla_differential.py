@@ -1,12 +1,20 @@
-"""The differential tester (tests/differential.py) on the NVSHMEM backend through XLA, one process per GPU (or
-several processes sharing one: the checking code issues no XLA collective, see jax_moe_comm.launch.host_gather).
+"""The differential tester (tests/differential.py) on the NVSHMEM backend through XLA: one process per GPU, or
+several processes sharing one GPU, for correctness alone. Sharing needs `--patterns one` (a single round trip,
+checked against the oracle through the key-value store, jax_moe_comm.launch.host_gather: the call patterns' reference
+backend runs XLA collectives, which NCCL refuses between processes on one GPU) and XLA:GPU's autotuning kept per
+process (with it shared through the distributed store, both processes' first compile waited without end on one H200).
 
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --setups 50 --runs 4 [--seed S] [--regressions]
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --replay '<a draw's JSON>'
     python -m jax_moe_comm.launch -n 2 --cpu -- tests/gpu/xla_differential.py --backend reference ...   # CPU
+    CUDA_VISIBLE_DEVICES=0,0 NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
+      XLA_FLAGS=--xla_gpu_shard_autotuning=false python -m jax_moe_comm.launch -n 2 -- \
+      tests/gpu/xla_differential.py --patterns one --small --symmetric-size 2G ...        # 2 processes, one GPU
 
 Draws `setups` Setups (config, options, call pattern) with `runs` inputs each; each Setup is compiled once for its
-runs. Every run is compared with the oracle (one round trip) or the reference backend with plain AD (the patterns).
+runs (with several processes, a single round trip's Setup is compiled on every process before its runs meet at a
+barrier: differential.compile_ahead). Every run is compared with the oracle (one round trip) or the reference backend
+with plain AD (the patterns).
 Prints a line per failure with the command that replays it, then "differential: N draws, F failures".
 """
 
@@ -24,6 +32,7 @@ sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import differential  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax._src import distributed  # noqa: E402  (the key-value store's client: a barrier between the processes)
 from jax.sharding import Mesh  # noqa: E402
 
 import jax_moe_comm as jmc  # noqa: E402
@@ -41,6 +50,9 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="rows of at most 256 elements, at most 65 tokens")
     parser.add_argument("--backend", default="nvshmem", choices=("nvshmem", "reference"),
                         help="the backend under test (reference: its custom VJP, on any platform)")
+    parser.add_argument("--patterns", default=",".join(differential.PATTERNS),
+                        help="the call patterns drawn, comma-separated (processes sharing one GPU: one)")
+    parser.add_argument("--symmetric-size", default="8G", help="jax_moe_comm.initialize's symmetric heap per process")
     parser.add_argument("--time-limit", type=float, default=0.0,
                         help="seconds after which no further Setup starts (0: none); the summary counts what ran")
     parser.add_argument("--setup-limit", type=float, default=240.0,
@@ -49,13 +61,17 @@ def main() -> int:
     faulthandler.enable()  # a crash prints every thread's stack
     initialize_distributed()
     if args.backend == "nvshmem":
-        jmc.initialize(symmetric_size="8G")
+        jmc.initialize(symmetric_size=args.symmetric_size)
     world = jax.process_count()
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     if args.replay:
         groups = [[differential.Draw.from_json(args.replay)]]
     else:
-        groups = differential.sample(world, args.setups, args.runs, args.seed, small=args.small)
+        patterns = tuple(args.patterns.split(","))
+        unknown = set(patterns) - set(differential.PATTERNS)
+        if unknown:
+            parser.error(f"--patterns: unknown {sorted(unknown)}; choose from {', '.join(differential.PATTERNS)}")
+        groups = differential.sample(world, args.setups, args.runs, args.seed, patterns, small=args.small)
     if args.regressions and world == 1:
         named = [differential.Draw.from_json(text) for text in differential.REGRESSIONS.values()]
         groups = [[draw] for draw in named] + groups
@@ -72,6 +88,9 @@ def main() -> int:
         t0 = time.time()
         try:
             compiled = differential.compile_setup(setup, mesh, args.backend)
+            if world > 1:  # every process compiled before any calls: see differential.compile_ahead
+                differential.compile_ahead(compiled, group[0].inputs)
+                distributed.global_state.client.wait_at_barrier(f"jmc_differential_{groups.index(group)}", 600_000)
         except Exception as exc:  # a Setup that does not build fails all its runs
             traceback.print_exc()
             compiled, problems = None, [f"building: {type(exc).__name__}: {str(exc)[:300]}"] * len(group)
