@@ -39,6 +39,8 @@
 #                               those of a node by stores, in one round trip (the transports of a multi-node job, on
 #                               one machine; a draw's window is left out there: windows run on NVLink peers only)
 #   SHARED_DEMO=0               SHARED_XLA without the demo and the decode example (the cases alone)
+#   SHARED_DIFFERENTIAL="S R"   with SHARED_XLA: then the differential tester at each N on GPU 0, S setups of R runs of
+#                               single round trips (--patterns one --small; XLA:GPU's autotuning kept per process)
 #   SHARED_GPU=1                with HARNESS: its two ranks on GPU 0, two NVSHMEM PEs sharing one GPU (for a machine
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
 #                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
@@ -251,6 +253,17 @@ XLA_FLAGS=--xla_force_host_platform_device_count=$n"
     ${SHARED_SKIP:+--skip "$SHARED_SKIP"} 2>&1 | results_as_they_come "$LOGS/shared_cases_$n.log"
   rc=${PIPESTATUS[0]}
   step "cases ($n processes on GPU 0) exit code $rc"
+  if [ -n "${SHARED_DIFFERENTIAL:-}" ]; then
+    read -r d_setups d_runs <<< "$SHARED_DIFFERENTIAL"
+    step "differential tester through XLA, $n processes on GPU 0: $d_setups setups x $d_runs runs, single round trips"
+    env $shared XLA_FLAGS="--xla_force_host_platform_device_count=$n --xla_gpu_shard_autotuning=false" \
+      timeout "${SHARED_TIMEOUT:-900}" python3 -m jax_moe_comm.launch -n $n -- tests/gpu/xla_differential.py \
+      --patterns one --small --symmetric-size 2G --setups "$d_setups" --runs "$d_runs" \
+      > "$LOGS/shared_differential_$n.log" 2>&1
+    rc=$?
+    grep -E "^\[rank 0\] (FAIL|  replay|differential:)" "$LOGS/shared_differential_$n.log" | tee -a "$OUT/summary.txt"
+    step "differential ($n processes on GPU 0) exit code $rc"
+  fi
 done
 if [ "${HARNESS:-0}" = 1 ]; then  # HARNESS_RANKS="2 4 8": once per world size; HARNESS_ONLY: its --only
   for n in ${HARNESS_RANKS:-2}; do
