@@ -122,4 +122,8 @@ def main() -> int:
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
+    if jax.process_count() > 1:
+        # Process 0 hosts the key-value store: leaving before the others have left it kills their last calls
+        # (a fatal "Socket closed" in the other process). The shutdown waits for every process.
+        jax.distributed.shutdown()
     os._exit(code)  # skip interpreter teardown (NVSHMEM and the runtime's tokens after failed draws)
