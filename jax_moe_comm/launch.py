@@ -28,7 +28,9 @@ Options:
 Every worker gets ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``, ``JAX_LOCAL_RANK``,
 ``JAX_LOCAL_WORLD``, ``PYTHONUNBUFFERED=1``, ``CUDA_VISIBLE_DEVICES=<its GPU>`` (not with ``--cpu``) and, unless
 already set, ``NVSHMEM_DISABLE_NVLS=1``, ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``.
-Its stdout and stderr lines come out of the launcher's stdout and stderr prefixed with ``[rank <process id>] ``.
+Its stdout and stderr lines come out of the launcher's stdout and stderr prefixed with ``[rank <process id>] ``,
+but for one block: the warning JAX's GPU client logs as a process leaves the job (a cancelled watch of the job's
+tasks), dropped when it is the last output of a worker that succeeded.
 
 The worker script joins the job before touching any JAX device::
 
@@ -402,18 +404,59 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return lambda: prctl(pr_set_pdeathsig, sigterm)
 
 
-def _pump(src: BinaryIO, dst: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
-    """Copy ``src`` to ``dst`` line by line with ``prefix``, flushing each line."""
+# What JAX's GPU client logs when a process that succeeded leaves the job: its watch of the job's tasks is cancelled
+# by the distributed runtime's shutdown (in every shutdown order), a warning and its gRPC details:
+#   W... pjrt_client.cc:...] WatchTasksAsync failed for task 0: CANCELLED: CANCELLED  (or UNAVAILABLE: Cancelling ...)
+#   Additional GRPC error information from remote target coordination_service while calling .../WatchTasks:
+#   :CANCELLED:CANCELLED [type.googleapis.com/tensorflow.DerivedStatus='']
+#   === Source Location Trace: ===
+#   external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89
+# and a blank line. A worker's stderr holds such a block back; it is dropped when it is the last output of a worker
+# that exits 0, and printed in any other case (more output after it, or a worker that failed).
+_EXIT_WATCH_WARNING = b"WatchTasksAsync failed for task"
+_EXIT_WATCH_DETAILS = (b"Additional GRPC error information", b":CANCELLED", b":UNAVAILABLE", b"=== Source Location",
+                       b"external/")
+_EXIT_WATCH_LINES = 8  # a longer block is something else
+
+
+def _is_exit_watch_detail(line: bytes) -> bool:
+    text = line.strip()
+    return not text or text.startswith(_EXIT_WATCH_DETAILS)
+
+
+def _pump(src: BinaryIO, dst: BinaryIO, prefix: bytes, lock: threading.Lock,
+          exit_status: Callable[[], int] | None = None) -> None:
+    """Copy ``src`` to ``dst`` line by line with ``prefix``, flushing each line. With ``exit_status`` (a worker's
+    stderr; called once its output has ended), the runtime's warning at a clean exit is held back and dropped when
+    the worker ends with it and succeeds (see _EXIT_WATCH_WARNING)."""
+    held: list[bytes] = []
+
+    def write(lines: list[bytes]) -> None:
+        with lock:
+            try:
+                for line in lines:
+                    dst.write(prefix + line)
+                dst.flush()
+            except (OSError, ValueError):
+                pass  # our own stdout/stderr went away; keep draining so the worker never blocks on a full pipe
+
     try:
         for line in iter(src.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
-            with lock:
-                try:
-                    dst.write(prefix + line)
-                    dst.flush()
-                except (OSError, ValueError):
-                    pass  # our own stdout/stderr went away; keep draining so the worker never blocks on a full pipe
+            if exit_status is not None:
+                if held and len(held) < _EXIT_WATCH_LINES and _is_exit_watch_detail(line):
+                    held.append(line)
+                    continue
+                if held:
+                    write(held)
+                    held = []
+                if _EXIT_WATCH_WARNING in line:
+                    held = [line]
+                    continue
+            write([line])
+        if held and exit_status() != 0:
+            write(held)
     finally:
         src.close()
 
@@ -451,11 +494,11 @@ class _Workers:
         # Reader threads only after every fork: preexec_fn is not safe while other threads run.
         for proc in self.procs:
             prefix = f"[rank {self.rank(proc)}] ".encode()
-            for src, dst, lock in (
-                (proc.stdout, sys.stdout.buffer, self._out_lock),
-                (proc.stderr, sys.stderr.buffer, self._err_lock),
+            for src, dst, lock, exit_status in (
+                (proc.stdout, sys.stdout.buffer, self._out_lock, None),
+                (proc.stderr, sys.stderr.buffer, self._err_lock, proc.wait),
             ):
-                thread = threading.Thread(target=_pump, args=(src, dst, prefix, lock), daemon=True)
+                thread = threading.Thread(target=_pump, args=(src, dst, prefix, lock, exit_status), daemon=True)
                 thread.start()
                 self._threads.append(thread)
 

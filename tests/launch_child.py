@@ -8,6 +8,8 @@ Modes (argv[1]):
   env        print the launcher's environment variables (no JAX)
   host_gather  a global array from each process's rows, gathered by host_gather; process 0's value everywhere;
                every process's value everywhere (from_every_process)
+  exit_watch   write to stderr what JAX's GPU client logs as a process leaves the job (its task watch cancelled, as
+               an H200 job printed it), then a line "more" when argv[3] is "more", then exit with status argv[2]
 """
 
 import os
@@ -85,6 +87,27 @@ def env() -> None:
     print("args=" + " ".join(sys.argv[2:]))
 
 
+# As one process of a job on an H200 (jax 0.11.2) wrote it at its exit, after it had succeeded.
+EXIT_WATCH = """W1204 16:54:02.076033    4108 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: \
+CANCELLED: CANCELLED
+Additional GRPC error information from remote target coordination_service while calling \
+/xla.coordination.CoordinationService/WatchTasks:
+:CANCELLED:CANCELLED [type.googleapis.com/tensorflow.DerivedStatus='']
+=== Source Location Trace: ===\x20
+external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89
+
+"""
+
+
+def exit_watch(status: int, more: bool) -> None:
+    print("working", flush=True)
+    sys.stderr.write(EXIT_WATCH)
+    if more:
+        sys.stderr.write("more\n")
+    sys.stderr.flush()
+    sys.exit(status)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "allgather":
@@ -103,5 +126,7 @@ if __name__ == "__main__":
         env()
     elif mode == "host_gather":
         gather_without_collectives()
+    elif mode == "exit_watch":
+        exit_watch(int(sys.argv[2]), sys.argv[3:] == ["more"])
     else:
         sys.exit(f"unknown mode {mode!r}")

@@ -104,6 +104,29 @@ def test_fail_fast() -> None:
     assert "rank 1 exited with status 3" in r.stderr
 
 
+def test_the_runtimes_exit_warning_of_a_worker_that_succeeded_is_dropped() -> None:
+    """JAX's GPU client logs a cancelled task watch as a successful process leaves the job (in every shutdown order
+    tried on an H200): the launcher drops that block when it is a worker's last output and the worker exits 0."""
+    r = _run("-n", "2", "--", CHILD, "exit_watch", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[rank 0] working" in _lines(r.stdout) and "[rank 1] working" in _lines(r.stdout)
+    assert r.stderr.strip() == "", r.stderr
+
+
+@pytest.mark.parametrize("status, more", [(3, False), (0, True)], ids=["worker failed", "output after it"])
+def test_the_runtimes_exit_warning_is_kept_when_it_may_matter(status: int, more: bool) -> None:
+    """A worker that failed, or output after the block (so not an exit), keeps it whole, every line prefixed."""
+    r = _run("-n", "1", "--", CHILD, "exit_watch", str(status), *(["more"] if more else []))
+    assert r.returncode == status, r.stdout + r.stderr
+    err = r.stderr.splitlines()
+    first = next(i for i, line in enumerate(err) if "WatchTasksAsync failed for task 0" in line)
+    assert err[first].startswith("[rank 0] W1204"), err
+    assert err[first + 1].startswith("[rank 0] Additional GRPC error information"), err
+    assert err[first + 4] == "[rank 0] external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89", err
+    if more:
+        assert "[rank 0] more" in err, err
+
+
 def test_environment_and_arguments() -> None:
     r = _run("-n", "2", "--cpu", "--", CHILD, "env", "a", "--", "-n", "b c")
     assert r.returncode == 0, r.stdout + r.stderr
