@@ -2,7 +2,8 @@
 several processes sharing one GPU, for correctness alone. Sharing needs `--patterns one` (a single round trip,
 checked against the oracle through the key-value store, jax_moe_comm.launch.host_gather: the call patterns' reference
 backend runs XLA collectives, which NCCL refuses between processes on one GPU) and XLA:GPU's autotuning kept per
-process (with it shared through the distributed store, both processes' first compile waited without end on one H200).
+process (shared through the distributed store, both processes' first compile was still waiting after 110 s on an
+H200).
 
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --setups 50 --runs 4 [--seed S] [--regressions]
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --replay '<a draw's JSON>'
