@@ -663,6 +663,20 @@ class MoEComm:
         (topk_weights,) = self._without_gradient("combine_recv", topk_weights)
         return self._phases.impl.combine_recv(self._phases.plan, pending, topk_weights)
 
+    def between(self, pending, compute, *args):
+        """``compute(*args)`` placed between a send half and its receive: after the send that made ``pending``
+        (``dispatch_send`` or ``combine_send``) and before the receive that takes it. Returns ``(compute's result,
+        pending)``; give that ``pending`` to the receive.
+
+        Nothing else orders work that does not use the rows in flight: XLA's scheduler may put it before the send or
+        after the receive. With ``send_stream`` set, work so placed runs beside the send's kernel. Two
+        ``lax.optimization_barrier``s tie ``args`` to the send's result and the receive's operands to the compute's;
+        no kernel of its own, the same results on every backend, differentiable through ``compute``."""
+        args, pending = jax.lax.optimization_barrier((args, pending))
+        out = compute(*args)
+        out, pending = jax.lax.optimization_barrier((out, pending))
+        return out, pending
+
     def _without_gradient(self, method: str, *arrays):
         """`arrays` as they are (None kept); with custom_vjp, each one's derivative raises a ValueError naming
         `method`: the gradient rules are the fused calls' (the NVSHMEM kernels have no other), so a split half

@@ -325,10 +325,11 @@ def send_stream(case, mode: str):
 
 
 def case_send_stream_layers(mesh, seed, mode: str, layers: int = 3):
-    """Split halves with a shared expert between them, in a lax.scan over checkpointed layers in one jit: the forward
-    and the gradient (x and the shared experts' weights, through the shared experts; the halves' inputs
-    stop_gradient'ed, split halves having no gradient of their own, so the backward recomputes every round trip)
-    with send_stream=mode equal those with send_stream=None bit for bit, twice each, and the reference backend's."""
+    """Split halves with a shared expert between them (comm.between), in a lax.scan over checkpointed layers in one
+    jit: the forward and the gradient (x and the shared experts' weights, through the shared experts; the halves'
+    inputs stop_gradient'ed, split halves having no gradient of their own, so the backward recomputes every round
+    trip) with send_stream=mode equal those with send_stream=None bit for bit, twice each, and the reference
+    backend's."""
     world = mesh.shape["ep"]
     T, H, E, K = 32, 128, 16, 4
     cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
@@ -352,10 +353,11 @@ def case_send_stream_layers(mesh, seed, mode: str, layers: int = 3):
                 # through three layers' gradients to ~5e-4.
                 dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
                 p = comm.dispatch_send(jax.lax.stop_gradient(h), ids_l)
-                shared = jnp.tanh(dot(h, m))  # between the halves: beside the send with a send_stream
+                # Between the halves (comm.between): beside the send with a send_stream.
+                shared, p = comm.between(p, lambda h, m: jnp.tanh(dot(h, m)), h, m)
                 d = comm.dispatch_recv(p)
                 q = comm.combine_send(d.expert_x * 0.9 + 0.1, d.handle, jax.lax.stop_gradient(w_l))
-                shared = jnp.tanh(dot(shared, m))
+                shared, q = comm.between(q, lambda s, m: jnp.tanh(dot(s, m)), shared, m)
                 return comm.combine_recv(q) + shared, None
             return jax.lax.scan(jax.checkpoint(layer), x, (ids, w, mats))[0]
 
