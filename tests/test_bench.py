@@ -341,20 +341,23 @@ def test_committed_records_have_the_schema_and_the_readme_shows_the_newest():
     assert shown == render.markdown_table(newest, str(newest_path.relative_to(ROOT))).strip()
 
 
-def test_the_overlap_mode_times_compute_between_the_split_halves(tmp_path):
+@pytest.mark.parametrize("at", ["dispatch", "combine"])
+def test_the_overlap_mode_times_compute_between_the_split_halves(tmp_path, at):
     """--overlap: each MoEComm backend's size gets the round trip, the shared expert alone and the round trip with the
-    shared expert between the dispatch's halves, and hidden_us is exactly what the first two add up to beyond the
-    third; a backend without split halves says so instead of a time."""
+    shared expert between the dispatch's (or with --overlap-at combine, the combine's) halves, and hidden_us is
+    exactly what the first two add up to beyond the third; a backend without split halves says so instead of a
+    time."""
     env = {k: v for k, v in os.environ.items()
            if k != "XLA_FLAGS" and not k.startswith("JAX_") or k == "JAX_ENABLE_X64"}
     env.update(JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_HOME), env.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "jax_moe_comm.bench", "--quick", "--overlap", "64", "--configs", "v2lite",
-           "--backends", "reference,padded", "--json", str(tmp_path / "overlap.json")]
+           "--backends", "reference,padded", "--overlap-at", at, "--json", str(tmp_path / "overlap.json")]
     proc = subprocess.run(cmd, cwd=CHILD_CWD, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "overlap.json").read_text())
-    assert record["overlap"] == 64 and "hidden_us" in proc.stdout
+    assert record["overlap"] == 64 and record["overlap_at"] == at and "hidden_us" in proc.stdout
+    assert f"between the {at}'s halves" in proc.stdout
     rows = {row["backend"]: row for row in record["rows"]}
     ref = rows["reference"]
     assert ref.get("error") is None and ref["rel_err"] < 2e-2, ref  # its round trip against the NumPy brute force

@@ -43,30 +43,40 @@ def _set_leading_rows(a: Array, rows: Array) -> Array:
     return jax.lax.dynamic_update_slice_in_dim(a, rows, 0, axis=0)
 
 
-def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int, shared_ffn: int | None = None) -> Callable:
+def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int, shared_ffn: int | None = None,
+                     shared_at: str = "dispatch") -> Callable:
     """n round trips, each tied to the last by data (never by an optimization barrier alone: XLA may drop a
     barrier before it merges identical collectives, and the chain then runs as one round trip). Only the first runs
     the expert stand-in (its result is the one checked); later ones combine that same expert_y with one row replaced
     from their own dispatch's rows and scales (an in-place one-row update, not a pass over the receive buffer). The
     next dispatch takes x + EPS * y (every element of y read, as a residual add reads it) and scales updated from
-    y likewise, so no two collectives of the chain have the same inputs. shared_ffn: overlapped_chain's."""
+    y likewise, so no two collectives of the chain have the same inputs. shared_ffn, shared_at: overlapped_chain's."""
 
     def body(x, scales, ids, w):
         weights = None if shared_ffn is None else shared_expert_weights(cfg, shared_ffn)
-        y = expert_y = None
+        y = expert_y = shared = None
+
+        def placed(pending):  # the shared expert between a send half and its receive
+            return impl.between(pending, lambda h, sw: shared_expert(h.astype(jnp.bfloat16), sw), x, weights)
+
         for _ in range(n):
-            if weights is None:
-                rows, row_scales, aux = impl.dispatch(x, scales, ids, w)
-            else:  # overlapped_chain's: the shared expert between the dispatch's halves
+            if weights is not None and shared_at == "dispatch":
                 pending = impl.dispatch_send(x, scales, ids, w)
-                shared = shared_expert(x.astype(jnp.bfloat16), weights)
+                shared, pending = placed(pending)
                 rows, row_scales, aux = impl.dispatch_recv(pending)
+            else:
+                rows, row_scales, aux = impl.dispatch(x, scales, ids, w)
             if expert_y is None:
                 expert_y = expert_stand_in(cfg, rows, row_scales)
             else:  # combine starts after this dispatch has delivered its rows (and their scales)
                 extra = 0.0 if row_scales is None else row_scales[:1, :1]
                 expert_y = _set_leading_rows(expert_y, _step(expert_y[:1], rows[:1], extra))
-            y = impl.combine(expert_y, aux, w)
+            if weights is not None and shared_at == "combine":
+                pending = impl.combine_send(expert_y, aux, w)
+                shared, pending = placed(pending)
+                y = impl.combine_recv(pending)
+            else:
+                y = impl.combine(expert_y, aux, w)
             x = _step(x, y) if weights is None else _step(x, y.astype(jnp.float32) + shared)
             if scales is not None:
                 scales = _step(scales, y[:, : scales.shape[1]])
@@ -113,12 +123,12 @@ def compute_chain(impl: Impl, cfg: BenchConfig, n: int, ffn: int) -> Callable:
     return body
 
 
-def overlapped_chain(impl: Impl, cfg: BenchConfig, n: int, ffn: int) -> Callable:
-    """round_trip_chain's n round trips with the dispatch split in its halves and compute_chain's shared expert
-    between them, as a layer places it (it reads x, not the rows in flight); the next step takes x + EPS * (y + the
-    shared expert's output). Against the round trip and the compute timed alone, this says how much of the round
-    trip the compute hides."""
-    return round_trip_chain(impl, cfg, n, shared_ffn=ffn)
+def overlapped_chain(impl: Impl, cfg: BenchConfig, n: int, ffn: int, at: str = "dispatch") -> Callable:
+    """round_trip_chain's n round trips with compute_chain's shared expert between the split halves of the dispatch
+    (at="dispatch") or of the combine (at="combine"), placed there by MoEComm.between, as a layer places it (it
+    reads x, not the rows in flight); the next step takes x + EPS * (y + the shared expert's output). Against the
+    round trip and the compute timed alone, this says how much of the round trip the compute hides."""
+    return round_trip_chain(impl, cfg, n, shared_ffn=ffn, shared_at=at)
 
 
 def dispatch_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:

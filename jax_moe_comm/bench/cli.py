@@ -36,6 +36,7 @@ from .measure import Progress, Row, available_backends, bench_backend, start_nvs
 from .record import command_line, format_table, git_commit, plot_record
 
 SHARED_EXPERT_FFN = 2048  # DeepSeek-R1's shared expert width: --overlap's compute by default
+OVERLAP_AT = ("dispatch", "combine")  # --overlap-at: the halves the shared expert goes between
 DESCRIPTION = "Dispatch + combine latency: this library's backends against XLA-collective baselines"
 # MoEComm's options that --option may set (check_errors has --no-check and the nvshmem_unchecked backend).
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options) if f.name != "check_errors")
@@ -105,6 +106,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="time a round trip with compute between the dispatch's split halves (a shared expert of "
                         f"width FFN over the tokens, default {SHARED_EXPERT_FFN}: R1's), beside the round trip and "
                         "the compute alone; hidden_us is what the overlap saved. MoEComm backends; no halves")
+    p.add_argument("--overlap-at", choices=OVERLAP_AT, default=OVERLAP_AT[0],
+                   help="with --overlap: the split halves the shared expert goes between (MoEComm.between): the "
+                        "dispatch's (default) or the combine's")
     p.add_argument("--send-streams", default=None, metavar="LIST",
                    help="with --overlap: MoEComm(send_stream=...) values timed side by side on the NVSHMEM backends, "
                         f"comma-separated, of {','.join(SEND_STREAM_NAMES)} (default all: none is XLA's stream, "
@@ -183,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "weights_to": args.weights_to,
         "backward": args.backward,
         "overlap": args.overlap,
+        "overlap_at": args.overlap_at if args.overlap else None,
         "options": args.options,
         "seed": seed,
         "configs": {c.name: c.describe() for c in args.config_list},
@@ -238,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jax_moe_comm bench: {record['device']}, world {world}, {jax.process_count()} process(es), "
               f"jax {jax.__version__}, chain {args.chain}, repeats {args.repeats}, seed {seed}"
               + (", forward + backward round trips" if args.backward else "")
-              + (f", a shared expert of width {args.overlap} between the dispatch's halves" if args.overlap else ""))
+              + (f", a shared expert of width {args.overlap} between the {args.overlap_at}'s halves" if args.overlap
+                 else ""))
         print(format_table(record["rows"]))
         if args.json:
             print(f"wrote {args.json}")

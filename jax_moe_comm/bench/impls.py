@@ -44,6 +44,18 @@ class Impl:
     def combine(self, expert_y, aux, w):
         raise NotImplementedError
 
+    def combine_send(self, expert_y, aux, w):
+        """Starts the combine (split backends only); its result goes to combine_recv."""
+        raise NotImplementedError
+
+    def combine_recv(self, pending):
+        """y, as combine returns it."""
+        raise NotImplementedError
+
+    def between(self, pending, compute, *args):
+        """(compute(*args), pending), the compute placed between a send half and its receive (split backends)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -92,6 +104,15 @@ class CommImpl(Impl):
 
     def combine(self, expert_y, aux, w):
         return self.comm.combine(expert_y, aux[1], None if self.weights_to == "dispatch" else w)
+
+    def combine_send(self, expert_y, aux, w):  # weights here, as the fused combine takes them: pre-reduced
+        return self.comm.combine_send(expert_y, aux[1], None if self.weights_to == "dispatch" else w)
+
+    def combine_recv(self, pending):
+        return self.comm.combine_recv(pending)
+
+    def between(self, pending, compute, *args):
+        return self.comm.between(pending, compute, *args)
 
     def close(self) -> None:
         self.comm.close()

@@ -199,7 +199,7 @@ def bench_backend(name: str, cfg: BenchConfig, tokens: int, mesh: Mesh, inputs: 
             row.error = "--overlap needs a dispatch in split halves (the MoEComm backends)"
             return row
         builders.update(compute=functools.partial(compute_chain, ffn=args.overlap),
-                        overlapped=functools.partial(overlapped_chain, ffn=args.overlap))
+                        overlapped=functools.partial(overlapped_chain, ffn=args.overlap, at=args.overlap_at))
     elif impl.halves and args.halves and not args.backward:
         builders.update(dispatch=dispatch_chain, combine=combine_chain)
     compiled, errors = {}, {}
