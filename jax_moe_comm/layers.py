@@ -225,14 +225,14 @@ def moe_layer_shard(comm: MoEComm, params_shard: dict, x: Array, num_tokens: Arr
     topk_ids, topk_weights = route(x, params_shard["router"], c.experts_per_token)
     xc = x.astype(c.dtype)  # the payload dtype must be cfg.dtype
     if comm.custom_vjp:
-        # Gradients come from the fused call's custom VJP (the split halves have none). The shared expert does
-        # not depend on the rows in flight, so XLA may still run it between the fused call's two phases.
+        # Gradients come from the fused call's custom VJP (the split halves have none).
         shared = shared_expert(xc, params_shard["shared"]) if "shared" in params_shard else None
         d = comm.dispatch(xc, topk_ids, num_tokens=num_tokens)
     else:
         pending = comm.dispatch_send(xc, topk_ids, num_tokens=num_tokens)
-        # Independent of the rows in flight: placed between the two halves so it can overlap the transfer.
-        shared = shared_expert(xc, params_shard["shared"]) if "shared" in params_shard else None
+        shared = None
+        if "shared" in params_shard:  # independent of the rows in flight: between the halves, beside the transfer
+            shared, pending = comm.between(pending, shared_expert, xc, params_shard["shared"])
         d = comm.dispatch_recv(pending)
     expert_y = swiglu_experts(d.expert_x, d.group_sizes, params_shard["gate"], params_shard["up"],
                               params_shard["down"])
