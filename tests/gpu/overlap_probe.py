@@ -81,7 +81,9 @@ def main(argv=None) -> int:
                     h = h + shared(h, w1, w2) * 1e-3
                     continue
                 p = comm.dispatch_send(h, ids)
-                s = shared(h, w1, w2) if part == "both" else None  # between the halves
+                s = None
+                if part == "both":  # between the halves, placed there by comm.between
+                    s, p = comm.between(p, shared, h, w1, w2)
                 d = comm.dispatch_recv(p)
                 q = comm.combine_send(d.expert_x, d.handle, w)
                 y = comm.combine_recv(q)
