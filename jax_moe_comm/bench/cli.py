@@ -103,7 +103,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="time forward and backward round trips: each step of the chain is a round trip and its "
                         "gradient's (jax.grad with respect to the top-k weights); no halves, no probes")
     p.add_argument("--overlap", type=int, nargs="?", const=SHARED_EXPERT_FFN, default=None, metavar="FFN",
-                   help="time a round trip with compute between the dispatch's split halves (a shared expert of "
+                   help="time a round trip with compute between split halves (--overlap-at; a shared expert of "
                         f"width FFN over the tokens, default {SHARED_EXPERT_FFN}: R1's), beside the round trip and "
                         "the compute alone; hidden_us is what the overlap saved. MoEComm backends; no halves")
     p.add_argument("--overlap-at", choices=OVERLAP_AT, default=OVERLAP_AT[0],
