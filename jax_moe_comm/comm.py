@@ -87,12 +87,10 @@ def batch_axes_of(batch_axes: str | tuple[str, ...] | None, ep_axes: tuple[str, 
 
 
 def context_mesh() -> Mesh | None:
-    """The concrete mesh the program runs under (``jax.set_mesh``), or None. ``jax.sharding.get_mesh`` where the JAX
-    has it (0.10, 0.11), else ``jax._src.mesh.get_concrete_mesh``."""
-    get = getattr(jax.sharding, "get_mesh", None)
-    if get is None:
-        from jax._src import mesh as mesh_lib
-        get = getattr(mesh_lib, "get_concrete_mesh", None)
+    """The concrete mesh the program runs under (``jax.set_mesh``), or None; also while tracing under ``jit``, where
+    ``jax.sharding.get_mesh`` refuses (hence ``jax._src.mesh.get_concrete_mesh`` first, where this JAX has it)."""
+    from jax._src import mesh as mesh_lib
+    get = getattr(mesh_lib, "get_concrete_mesh", None) or getattr(jax.sharding, "get_mesh", None)
     mesh = None if get is None else get()
     return None if mesh is None or getattr(mesh, "empty", False) or not isinstance(mesh, Mesh) else mesh
 
@@ -105,17 +103,30 @@ def _describe_mesh(mesh) -> str:
     return "{" + ", ".join(f"{name!r}: {size}" for name, size in _mesh_shape(mesh)) + "}"
 
 
+def _device_ids(mesh) -> list[int]:
+    return [int(d.id) for d in np.asarray(mesh.devices).flat]
+
+
 def check_program_mesh(mesh: Mesh, method: str) -> None:
     """ValueError naming both meshes unless the program's mesh (the abstract mesh in context: ``jax.set_mesh``'s, or
-    the mesh of the shard_map being traced) is none or has `mesh`'s axes and sizes."""
+    the mesh of the shard_map being traced) is none or has `mesh`'s axes and sizes, and the concrete mesh in context
+    (``jax.set_mesh``'s), if any, has `mesh`'s devices in `mesh`'s order."""
     get = getattr(jax.sharding, "get_abstract_mesh", None)
     program = None if get is None else get()
-    if program is None or getattr(program, "empty", True) or _mesh_shape(program) == _mesh_shape(mesh):
+    if program is None or getattr(program, "empty", True):
         return
-    raise ValueError(f"jax_moe_comm: MoEComm.{method} runs under the mesh {_describe_mesh(program)} but the MoEComm "
-                     f"was built on the mesh {_describe_mesh(mesh)}; JAX needs one mesh across the program: build the "
-                     "MoEComm on the mesh the model already uses, MoEComm(cfg, model_mesh, axis_name=<its expert axis "
-                     "or axes>), or with mesh=None under `with jax.set_mesh(model_mesh):`")
+    fix = ("JAX needs one mesh across the program: build the MoEComm on the mesh the model already uses, "
+           "MoEComm(cfg, model_mesh, axis_name=<its expert axis or axes>), or with mesh=None under "
+           "`with jax.set_mesh(model_mesh):`")
+    if _mesh_shape(program) != _mesh_shape(mesh):
+        raise ValueError(f"jax_moe_comm: MoEComm.{method} runs under the mesh {_describe_mesh(program)} but the "
+                         f"MoEComm was built on the mesh {_describe_mesh(mesh)}; {fix}")
+    concrete = context_mesh()
+    if concrete is not None and _mesh_shape(concrete) == _mesh_shape(mesh) \
+            and _device_ids(concrete) != _device_ids(mesh):
+        raise ValueError(f"jax_moe_comm: MoEComm.{method} runs under the mesh {_describe_mesh(concrete)} of devices "
+                         f"{_device_ids(concrete)} but the MoEComm was built on the mesh {_describe_mesh(mesh)} of "
+                         f"devices {_device_ids(mesh)} (the same axes, other devices or another order); {fix}")
 
 
 def dim0_spec(axes: tuple[str, ...]) -> P:

@@ -71,6 +71,18 @@ def test_another_mesh_in_context_raises_our_error_naming_both_meshes_and_the_fix
         jax.jit(fn)(x, ids)
 
 
+def test_the_same_axes_over_other_devices_in_context_raise_our_error_naming_both_device_orders():
+    devices = jax.devices()[:8]
+    comm = jmc.MoEComm(_cfg(), jax.make_mesh((8,), ("ep",), devices=devices), "ep", backend="reference")
+    x = jnp.zeros((8 * T, H), jnp.float32)
+    ids, _ = _routing(8 * T)
+    with jax.set_mesh(jax.make_mesh((8,), ("ep",), devices=devices[::-1])):
+        with pytest.raises(ValueError, match=r"^jax_moe_comm: MoEComm.global view runs under the mesh \{'ep': 8\} of "
+                                             r"devices \[7, 6, 5, 4, 3, 2, 1, 0\] but the MoEComm was built on the "
+                                             r"mesh \{'ep': 8\} of devices \[0, 1, 2, 3, 4, 5, 6, 7\]"):
+            jax.jit(lambda x, ids: jmc.dispatch(comm, x, ids))(x, ids)
+
+
 def test_mesh_none_without_a_mesh_in_context_says_what_to_give():
     with pytest.raises(ValueError, match=r"mesh is None and no mesh is set: give the model's mesh"):
         jmc.MoEComm(_cfg(), axis_name="ep", backend="reference")
