@@ -53,7 +53,9 @@ PARTS = {
     REPEATED_EXPERT_ID: "token {a} names expert {b} in two top-k slots (ids must be distinct; the later slot is "
                         "dropped)",
     CAPACITY_OVERFLOW: "{a} rows arrived but capacity is {b} ({over} too many): raise MoECommConfig.capacity to at "
-                       "least {a}, or drop what does not fit (overflow=\"drop\")",
+                       "least {a} (or capacity_factor in proportion), or drop what does not fit (overflow=\"drop\"); "
+                       "capacity counts the rows of a rank with capacity_per=\"rank\", of each local expert with "
+                       "capacity_per=\"expert\"",
     TIMEOUT: "timed out waiting for rank {a} (MoEComm timeout_s: did every rank make the call?)",
     OUT_OF_ORDER: "it ran while this MoEComm expected {expected}: a MoEComm carries one round trip at a time "
                   "(dispatch_send, dispatch_recv, combine_send, combine_recv); round trips that no data orders "

@@ -88,7 +88,8 @@ def test_overflow_error_names_the_experts_rows_and_capacity():
     comm = jmc.MoEComm(cfg, ep_mesh(world), "ep", backend="reference")
     x = jnp.ones((world * T, H), jnp.float32)
     ids = jnp.asarray(_one_hot_routing(world, T, E, 2))
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"8 rows arrived but capacity is 4 \(4 too many\)"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"8 rows arrived but capacity is 4 \(4 too many\).*"
+                       r"capacity_factor in proportion.*of each local expert with capacity_per=\"expert\""):
         jax.block_until_ready(_round_trip(comm, x, ids, jnp.ones((world * T, K), jnp.float32)))
 
 
