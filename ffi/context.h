@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>  // the send stream and its events (SendStream)
 
+#include "status.h"  // the status words and error codes
+
 #ifdef __CUDACC__
 #define JMC_HOST_DEVICE __host__ __device__
 #else
@@ -15,28 +17,10 @@
 
 namespace jmc {
 
-// Error codes shared with jax_moe_comm/errors.py (status[0] is a bit set). The first three are routing errors: the
-// round trip still completes on every rank (offending rows dropped). The others are protocol failures: after one the
-// MoEComm refuses every phase (kRefused) until it is reset.
-enum ErrorCode : int32_t {
-  kBadExpertId = 1,
-  kRepeatedExpertId = 2,
-  kCapacityOverflow = 4,
-  kTimeout = 8,
-  kOutOfOrder = 16,
-  kRefused = 32,  // set on the copy of the failure that a refused phase reports
-};
-constexpr int32_t kFatalCodes = kTimeout | kOutOfOrder;
-
 // Phases, for messages (status[1]).
 enum Phase : int32_t { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
 constexpr int kPhases = 4;
 
-// A status, int32[kStatusWords]: {code, phase, rank that found it, detail_a, detail_b, epoch, 0, 0}. For kTimeout
-// detail_a is the peer waited for; for id errors (token, id); for overflow (rows needed, capacity); for kOutOfOrder
-// (the phase the MoEComm expected next, the phase that ran). The epoch is the round trip's (below).
-constexpr int kStatusWords = 8;
-enum StatusWord : int { kCode = 0, kPhaseWord = 1, kRankWord = 2, kDetailA = 3, kDetailB = 4, kEpochWord = 5 };
 
 // Every word a rank waits for carries the round trip's epoch in its high 32 bits (a per-MoEComm count of round
 // trips, 1 for the first, the same on every rank): a write of an earlier round trip can never satisfy a later wait,

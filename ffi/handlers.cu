@@ -226,12 +226,6 @@ ffi::Error Probe(cudaStream_t stream,
 }
 #endif
 
-// A status's failure as a call's error (kAborted, the failure's text); success for a status without one.
-ffi::Error raise_if_failed(const std::vector<int32_t>& words) {
-  if (words[kCode] == 0) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kAborted, describe_failure(words));
-}
-
 // The deferred error check, in front of each round trip's dispatch: XLA runs it on the host at every execution (it is
 // never recorded into a command buffer) and it does not synchronize the stream. It raises, as this call's error, the
 // first failure the device has told the host of (HostWords) once that failure is settled: a failure of an earlier
@@ -270,27 +264,6 @@ ffi::Error Check(ffi::RunId run,
   failure_raised(&ctx);
   --host.launched;  // this round trip does not run
   return raise_if_failed(failure);
-}
-
-// InvalidArgument unless the buffer holds one status.
-ffi::Error status_words_checked(const ffi::Buffer<ffi::S32>& status) {
-  if (status.element_count() == kStatusWords) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument("jax_moe_comm: a status has " + std::to_string(kStatusWords) + " words, got " +
-                                     std::to_string(status.element_count()));
-}
-
-// The status check that runs where XLA runs it (check_errors="sync", and every check of the reference backend):
-// this call's error is the failure's text when the status's code is non-zero, so the user's error begins with our
-// message (a host callback's would begin with its Python stack). `ok` is 0 when it returns.
-// On the CPU: the status is host memory.
-ffi::Error RaiseIfFailedHost(ffi::Buffer<ffi::S32> status,             // [kStatusWords] the round trip's status
-                             ffi::AnyBuffer /*after*/,                   // orders the check after the round trip
-                             ffi::Result<ffi::Buffer<ffi::S32>> ok) {    // []: 0
-  if (ffi::Error bad = status_words_checked(status); bad.failure()) return bad;
-  const int32_t* words = status.typed_data();
-  if (ffi::Error failed = raise_if_failed({words, words + kStatusWords}); failed.failure()) return failed;
-  *ok->typed_data() = 0;
-  return ffi::Error::Success();
 }
 
 // On the GPU: the status is copied to the host, and the host waits for the stream (a synchronous check).
@@ -414,12 +387,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_probe, jmc::Probe,
                                   .Attr<int64_t>("context")
                                   .Attr<int64_t>("flagged"));
 #endif
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_raise_if_failed_host, jmc::RaiseIfFailedHost,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // status
-                                  .Arg<ffi::AnyBuffer>()          // after
-                                  .Ret<ffi::Buffer<ffi::S32>>()); // ok
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jmc_raise_if_failed_device, jmc::RaiseIfFailedDevice,
                               ffi::Ffi::Bind()

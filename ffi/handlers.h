@@ -14,7 +14,6 @@ XLA_FFI_Error* jmc_combine(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* jmc_probe(XLA_FFI_CallFrame* call_frame);  // the bench's floor (probe.cu; measurement builds)
 #endif
 XLA_FFI_Error* jmc_check(XLA_FFI_CallFrame* call_frame);  // the deferred error check (host only)
-// A status's failure raised as the call's error, where XLA runs the call: on the CPU or on the GPU (synchronous).
-XLA_FFI_Error* jmc_raise_if_failed_host(XLA_FFI_CallFrame* call_frame);
+// A status's failure raised as the call's error on the GPU (synchronous); on the CPU: status.h.
 XLA_FFI_Error* jmc_raise_if_failed_device(XLA_FFI_CallFrame* call_frame);
 }

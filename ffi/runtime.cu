@@ -423,42 +423,6 @@ std::vector<int32_t> unraised_failure(Context* ctx) {
   return failure;
 }
 
-namespace {
-Messages& messages() {
-  static Messages table;
-  return table;
-}
-
-void replace_all(std::string& text, const std::string& key, const std::string& value) {
-  for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at + value.size()))
-    text.replace(at, key.size(), value);
-}
-}  // namespace
-
-void set_messages(const Messages& table) { messages() = table; }
-
-std::string describe_failure(const std::vector<int32_t>& words) {
-  const Messages& m = messages();
-  const int32_t code = words[kCode], phase = words[kPhaseWord];
-  const auto phase_name = [&](int32_t p) {
-    return p >= 0 && p < static_cast<int32_t>(m.phases.size()) ? m.phases[p] : "phase " + std::to_string(p);
-  };
-  std::string text = m.header;
-  replace_all(text, "{phase}", phase_name(phase));
-  replace_all(text, "{rank}", std::to_string(words[kRankWord]));
-  std::string parts;
-  for (const auto& [bit, part] : m.parts) {
-    if (!(code & bit)) continue;
-    std::string one = part;
-    replace_all(one, "{a}", std::to_string(words[kDetailA]));
-    replace_all(one, "{b}", std::to_string(words[kDetailB]));
-    replace_all(one, "{over}", std::to_string(words[kDetailA] - words[kDetailB]));
-    replace_all(one, "{expected}", phase_name(words[kDetailA]));
-    parts += (parts.empty() ? "" : m.joiner) + one;
-  }
-  return text + parts + ((code & kFatalCodes) ? m.fatal_suffix : "");
-}
-
 #ifdef JMC_MEASUREMENT
 namespace {
 // `count` device words, read and cleared; empty when they were never allocated or a copy failed.

@@ -68,16 +68,6 @@ void failure_raised(Context* ctx);
 // A failure no check has raised yet (code 0: none), once this device has finished its queued work (waits for it).
 std::vector<int32_t> unraised_failure(Context* ctx);
 
-// The text of a failure (a status's words), from the templates jax_moe_comm/errors.py gives once (set_messages):
-// header (with {phase}, {rank}), one part per code bit (with {a}, {b}, {over} = a - b, {expected}: the phase named
-// by a), joined, and a suffix for protocol failures.
-struct Messages {
-  std::string header, joiner, fatal_suffix;
-  std::map<int32_t, std::string> parts;
-  std::vector<std::string> phases;
-};
-void set_messages(const Messages& table);
-std::string describe_failure(const std::vector<int32_t>& words);
 #ifdef JMC_MEASUREMENT
 // The kernel marks of the context's last round trip ([phase][Mark] globaltimer ns, 0 = not stamped), cleared.
 // Synchronous (a device-to-host copy). Measurement builds only (JAX_MOE_COMM_MEASUREMENT).

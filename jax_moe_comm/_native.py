@@ -1,4 +1,4 @@
-"""Finds the CUDA extension (NVSHMEM host API + kernels).
+"""Finds the CUDA extension (NVSHMEM host API + kernels) and the status module (the status check's CPU handler).
 
 The extension is optional: a build without nvcc or without the NVSHMEM headers installs a pure-Python
 package, and asking for ``backend="nvshmem"`` then raises an error that says why (runtime.resolve_backend).
@@ -31,6 +31,12 @@ except ImportError as exc:  # CPU-only build, or the NVSHMEM host library cannot
     ext = None
     _built = importlib.util.find_spec(f"{__package__}._nvshmem_ext") is not None
     IMPORT_ERROR = _missing_library_text(exc) if _built else "the CUDA extension was not built (CPU-only install)"
+
+
+try:
+    from . import _status_ext as status_ext  # the status check's CPU handler (plain C++, built beside or without ext)
+except ImportError:  # a build without nanobind or jax at build time
+    status_ext = None
 
 
 def build_info() -> dict:

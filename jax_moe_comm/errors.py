@@ -16,8 +16,8 @@ What the user catches. An error found in a step (the reference backend's check a
 ``check_errors="sync"``, the NVSHMEM backend's check in front of a round trip) stops the step's computation on every
 rank and is raised by JAX where the step's outputs are read, jitted or eager, as JAX's own
 ``jax.errors.JaxRuntimeError``: its text is XLA's code and our message, ``ABORTED: jax_moe_comm: <phase> failed on
-rank <r>: ...`` (without the CUDA extension the reference backend's check is a host callback: then the message comes
-last, below the line per frame that JAX writes of the callback's stack). ``MoEComm.check()`` raises
+rank <r>: ...`` (in a build without the compiled modules the reference backend's check is a host callback: then the
+message comes last, below the line per frame that JAX writes of the callback's stack). ``MoEComm.check()`` raises
 ``MoECommError`` from host code, a subclass of ``jax.errors.JaxRuntimeError`` (and of ``RuntimeError``). So
 ``except jax.errors.JaxRuntimeError`` catches both, ``except MoECommError`` what ``check()`` raises. Each error is
 printed once: JAX's per-device log records of our callback's error are dropped, and JAX does not raise the failed
@@ -155,16 +155,19 @@ _RAISE_TARGET = "jmc_raise_if_failed"
 
 
 @functools.cache
-def _raise_target_registered() -> bool:
-    """Registers the CUDA extension's status check (ffi/handlers.cu, RaiseIfFailed*: the failure's text as the call's
-    own error) for the CPU and the GPU, once per process; False without the extension (a CPU-only install)."""
+def _raise_target_registered() -> tuple[str, ...]:
+    """Registers the status check's FFI handler (the failure's text as the call's own error), once per process: the
+    CUDA extension's for the CPU and the GPU (ffi/handlers.cu, ffi/status.cc), else the status module's for the CPU
+    (ffi/status.cc). The platforms it serves; () without either (a build without a C++ toolchain's modules)."""
     from . import _native
-    if _native.ext is None:
-        return False
-    give_texts_to(_native.ext)
-    for platform, capsule in _native.ext.raise_if_failed_handlers().items():
+    module = _native.ext if _native.ext is not None else _native.status_ext
+    if module is None:
+        return ()
+    give_texts_to(module)
+    handlers = module.raise_if_failed_handlers()
+    for platform, capsule in handlers.items():
         jax.ffi.register_ffi_target(_RAISE_TARGET, capsule, platform=platform)
-    return True
+    return tuple(p.lower() for p in handlers)
 
 
 def check_now(word: Array, after: Array) -> Array:
@@ -173,9 +176,10 @@ def check_now(word: Array, after: Array) -> Array:
     holds the same round trip status, so every rank raises at the same check and none is left waiting in a
     collective for one that stopped.
 
-    With the CUDA extension the check is its FFI handler, on the CPU and on the GPU: the error's text is XLA's code
-    and our message (``ABORTED: jax_moe_comm: ...``). Without it (or on another platform) it is a host callback, and
-    JAX writes the callback's stack before our message.
+    The check is an FFI handler (the CUDA extension's on the CPU and the GPU, else the status module's on the CPU):
+    the error's text is XLA's code and our message (``ABORTED: jax_moe_comm: ...``). Without one (a platform no
+    handler serves, or a build without the compiled modules) it is a host callback, and JAX writes the callback's
+    stack before our message.
 
     `after` is any value computed by the call's last transfer: the check consumes it, so XLA cannot schedule the
     raise before that transfer. Returns `after`, bit for bit, made to depend on the check: callers use it in place
@@ -183,9 +187,10 @@ def check_now(word: Array, after: Array) -> Array:
     shard_map, where a check without consumers fails only its runtime token and nothing raises). No JVP, and none
     needed (its inputs carry no tangent, its int32 result none either)."""
     operand = jax.lax.stop_gradient(after.reshape(-1)[:1])
-    if _raise_target_registered():
+    platforms = _raise_target_registered()
+    if platforms:
         handler = jax.ffi.ffi_call(_RAISE_TARGET, jax.ShapeDtypeStruct((), jnp.int32))
-        ok = jax.lax.platform_dependent(word, operand, cpu=handler, cuda=handler, default=_callback_check)
+        ok = jax.lax.platform_dependent(word, operand, default=_callback_check, **dict.fromkeys(platforms, handler))
     else:
         ok = _callback_check(word, operand)
     return jnp.where(ok == 0, after, jnp.zeros_like(after))

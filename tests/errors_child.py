@@ -8,7 +8,8 @@ combine under jax.jit) or "eager" (jax_moe_comm.dispatch and combine, no jit). O
 failing call of an already compiled step) or "uncaught" (the error ends the process). The device count comes from
 the parent's XLA_FLAGS, or under jax_moe_comm.launch one CPU device per process. Layer 1 of LAYERS (default 3; layer
 0 when there is one) gets the id ``num_experts`` on the last rank's token 1. CHECK: "handler" (default: the CUDA
-extension's check where it is installed) or "callback" (the host callback of an install without it).
+extension's check where it is installed, else the status module's), "status_module" (the status module's, as in an
+install without the CUDA extension) or "callback" (the host callback of an install without either).
 """
 
 import os
@@ -82,7 +83,9 @@ def main(view: str, outcome: str, layers: int) -> None:
 if __name__ == "__main__":
     if "JAX_COORDINATOR_ADDRESS" in os.environ:  # under jax_moe_comm.launch
         initialize_distributed()
-    if sys.argv[4:] == ["callback"]:  # as an install without the CUDA extension checks
-        jmc.errors._raise_target_registered = lambda: False
+    if sys.argv[4:] == ["callback"]:  # as an install without the compiled modules checks
+        jmc.errors._raise_target_registered = lambda: ()
+    elif sys.argv[4:] == ["status_module"]:  # as an install without the CUDA extension checks
+        jmc._native.ext = None
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 3)
     print("EXITING NORMALLY")

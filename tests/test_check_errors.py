@@ -5,9 +5,9 @@ NaN on every rank, and with the default ``check_errors=True`` every rank raises 
 so that a step of many MoE layers stops with one error instead of leaving devices waiting in a later collective.
 
 What the user sees and catches: the step raises one ``jax.errors.JaxRuntimeError`` whose text begins with our message
-after XLA's code (``ABORTED: jax_moe_comm: ...``; an install without the CUDA extension checks with a host callback,
-whose error JAX ends with our message), printed once (no per-device log records, nothing again at exit);
-``MoECommError``, which host code raises, is a subclass of it.
+after XLA's code (``ABORTED: jax_moe_comm: ...``, with the CUDA extension or the status module; an install without
+either checks with a host callback, whose error JAX ends with our message), printed once (no per-device log records,
+nothing again at exit); ``MoECommError``, which host code raises, is a subclass of it.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_the_default_check_runs_only_when_a_round_trip_fails(monkeypatch):
     with a bad id in the second round trip it runs once per device (the step stops there) and the step raises. (The
     check counted is the host callback of an install without the CUDA extension; the extension's handler sits in
     the same conditional.)"""
-    monkeypatch.setattr(errors, "_raise_target_registered", lambda: False)
+    monkeypatch.setattr(errors, "_raise_target_registered", lambda: ())
     calls = []
     host_check = errors._check_errors
 
@@ -216,16 +216,18 @@ CHILD_MESSAGE = ("jax_moe_comm: dispatch_send failed on rank {rank}: expert id 1
                  "[-1, num_experts)")
 
 
-# The two checks: the CUDA extension's FFI handler (the error's text is XLA's code, then our message) and, without
-# the extension, a host callback (JAX writes the callback's stack first; our message is the last line).
+# The three checks: the CUDA extension's FFI handler and the status module's (the error's text is XLA's code, then our
+# message) and, without either, a host callback (JAX writes the callback's stack first; our message is the last line).
 CHECKS = [pytest.param("handler", marks=pytest.mark.skipif(not jax_moe_comm.build_info()["cuda"],
                                                            reason="an install without the CUDA extension")),
+          pytest.param("status_module", marks=pytest.mark.skipif(jax_moe_comm._native.status_ext is None,
+                                                                 reason="a build without the status module")),
           "callback"]
 
 
 def _our_line(check: str, message: str) -> str:
-    """The child's line that carries our message: the error's first line (handler) or its last (callback)."""
-    return f"FIRST LINE: ABORTED: {message}" if check == "handler" else f"LAST LINE: MoECommError: {message}"
+    """The child's line that carries our message: the error's first line (handlers) or its last (callback)."""
+    return f"LAST LINE: MoECommError: {message}" if check == "callback" else f"FIRST LINE: ABORTED: {message}"
 
 
 def _run_child(view: str, outcome: str, devices: int, layers: int = 3,
@@ -303,7 +305,7 @@ def test_an_uncaught_error_prints_one_traceback_ending_with_our_message(check):
     message = CHILD_MESSAGE.format(rank=7)
     assert output.count(message) == 1, output[-6000:]
     last = done.stderr.rstrip().splitlines()[-1]
-    if check == "handler":
+    if check != "callback":
         assert output.count("Traceback (most recent call last)") == 1, output[-6000:]
         assert last == f"jax.errors.JaxRuntimeError: ABORTED: {message}", output[-3000:]
     else:
@@ -318,7 +320,7 @@ def test_an_eager_step_raises_at_its_read():
     """Without jit each primitive of a shard_map runs as its own computation: the check fails only its runtime token
     unless the output depends on the check's result (errors.check_now returns it). One layer: eager calls compile
     every primitive."""
-    check = "handler" if jax_moe_comm.build_info()["cuda"] else "callback"  # either: both return check_now's value
+    check = "handler" if jax_moe_comm.build_info()["cuda"] else "callback"  # any: all return check_now's value
     done, output = _run_child("eager", "caught", 4, layers=1, check=check)
     assert done.returncode == 0, output[-3000:]
     assert "CAUGHT jax.errors.JaxRuntimeError is_jax_runtime_error=True" in done.stdout, output[-3000:]

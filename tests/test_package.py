@@ -18,8 +18,8 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-# The CUDA extension and the file the build writes beside it: they import nothing of the package.
-COMPILED = {"jax_moe_comm._nvshmem_ext", "jax_moe_comm._build_config"}
+# The compiled modules and the file the build writes beside them: they import nothing of the package.
+COMPILED = {"jax_moe_comm._nvshmem_ext", "jax_moe_comm._status_ext", "jax_moe_comm._build_config"}
 
 
 def imported_modules(name: str, path: Path) -> set[str]:
