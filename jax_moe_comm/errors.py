@@ -105,13 +105,13 @@ def describe(words) -> str:
 
 
 def give_texts_to(ext) -> None:
-    """The texts above to the extension's check handler (which raises them as an XLA error), once per process, and
-    the kernels' constants checked against these."""
+    """The texts above to a compiled module's check handler (the CUDA extension's or the status module's, which
+    raise them as an XLA error), once per process, and its constants checked against these."""
     constants = ext.constants()
     ours = {"status_words": STATUS_WORDS, "fatal_codes": FATAL, "refused": REFUSED}
     if any(constants[k] != v for k, v in ours.items()):
-        raise RuntimeError(f"jax_moe_comm: the CUDA extension's constants {constants} differ from errors.py's {ours}; "
-                           "rebuild the extension")
+        raise RuntimeError(f"jax_moe_comm: the constants of {ext.__name__} {constants} differ from errors.py's "
+                           f"{ours}; rebuild the package")
     ext.set_messages(HEADER, PARTS, JOINER, FATAL_SUFFIX, list(PHASES))
 
 

@@ -384,3 +384,18 @@ def test_check_now_passes_its_value_through_bit_for_bit_and_differentiably(make_
     np.testing.assert_array_equal(np.asarray(fn(x)).view(np.int32), x.view(np.int32))
     grad = jax.grad(lambda v: (fn(v) * 3.0).sum())(np.ones_like(x))
     np.testing.assert_array_equal(np.asarray(grad), np.full_like(x, 3.0))
+
+
+@pytest.mark.skipif(jax_moe_comm._native.status_ext is None, reason="a build without the status module")
+@pytest.mark.parametrize("words", [
+    [1, 0, 3, 5, 99, 7, 0, 0],                     # a bad id found by rank 3's dispatch_send
+    [4, 1, 1, 37, 32, 2, 0, 0],                    # overflow on rank 1: 37 rows, capacity 32
+    [8, 1, 0, 1, 0, 4, 0, 0],                      # rank 0 timed out waiting for rank 1
+    [1 | 2, 0, 0, 4, 9, 1, 0, 0],                  # two routing errors at once
+])
+def test_the_status_modules_handler_raises_the_same_text_as_python(words):
+    """The status module (the CPU check of an install without the CUDA extension) formats a failure from errors.py's
+    templates, after checking its constants against errors.py's: the same text as errors.describe."""
+    module = jax_moe_comm._native.status_ext
+    errors.give_texts_to(module)  # raises if the constants differ
+    assert module.describe_failure(words) == errors.describe(words)
