@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import signal
 import sys
 import time
 import traceback
@@ -61,6 +62,9 @@ def main() -> int:
     args = parser.parse_args()
     faulthandler.enable()  # a crash prints every thread's stack
     initialize_distributed()
+    # A rank stopped from outside (the launcher passing on a timeout's SIGTERM) prints every thread's stack too, then
+    # runs the handler it replaces (the distributed runtime's, installed by initialize_distributed).
+    faulthandler.register(signal.SIGTERM, chain=True)
     if args.backend == "nvshmem":
         jmc.initialize(symmetric_size=args.symmetric_size)
     world = jax.process_count()
