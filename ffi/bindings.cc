@@ -89,11 +89,8 @@ NB_MODULE(_nvshmem_ext, m) {
     return false;
 #endif
   }, "Whether this build has the measurement instruments (kernel marks, the bench's floor probes).");
-  m.def("set_messages", [](const std::string& header, const std::map<int32_t, std::string>& parts,
-                           const std::string& joiner, const std::string& fatal_suffix,
-                           const std::vector<std::string>& phases) {
-    jmc::set_messages(jmc::Messages{header, joiner, fatal_suffix, parts, phases});
-  }, "The texts of failures raised by the check handler (from jax_moe_comm/errors.py).");
+  m.def("set_messages", &jmc::set_messages,
+        "The texts of failures raised by the check handler (from jax_moe_comm/errors.py).");
   m.def("describe_failure", &jmc::describe_failure, "A failure's text, as the check handler raises it.");
   m.def("create_context", [](const std::map<std::string, int64_t>& sizes,
                              const std::map<std::string, std::pair<size_t, size_t>>& layout,

@@ -21,7 +21,6 @@ namespace jmc {
 enum Phase : int32_t { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3 };
 constexpr int kPhases = 4;
 
-
 // Every word a rank waits for carries the round trip's epoch in its high 32 bits (a per-MoEComm count of round
 // trips, 1 for the first, the same on every rank): a write of an earlier round trip can never satisfy a later wait,
 // and no word is ever reset. The low 32 bits carry a value (a token count, a slot's state).

@@ -19,7 +19,10 @@ void replace_all(std::string& text, const std::string& key, const std::string& v
 
 }  // namespace
 
-void set_messages(const Messages& table) { messages() = table; }
+void set_messages(const std::string& header, const std::map<int32_t, std::string>& parts, const std::string& joiner,
+                  const std::string& fatal_suffix, const std::vector<std::string>& phases) {
+  messages() = Messages{header, joiner, fatal_suffix, parts, phases};
+}
 
 std::string describe_failure(const std::vector<int32_t>& words) {
   const Messages& m = messages();

@@ -40,7 +40,8 @@ struct Messages {
   std::map<int32_t, std::string> parts;
   std::vector<std::string> phases;
 };
-void set_messages(const Messages& table);
+void set_messages(const std::string& header, const std::map<int32_t, std::string>& parts, const std::string& joiner,
+                  const std::string& fatal_suffix, const std::vector<std::string>& phases);
 std::string describe_failure(const std::vector<int32_t>& words);
 
 // A status's failure as a call's error (kAborted, the failure's text); success for a status without one.

@@ -19,11 +19,8 @@ NB_MODULE(_status_ext, m) {
     return std::map<std::string, int>{{"status_words", jmc::kStatusWords}, {"fatal_codes", jmc::kFatalCodes},
                                       {"refused", jmc::kRefused}};
   }, "The status's constants (errors.py checks its own against them).");
-  m.def("set_messages", [](const std::string& header, const std::map<int32_t, std::string>& parts,
-                           const std::string& joiner, const std::string& fatal_suffix,
-                           const std::vector<std::string>& phases) {
-    jmc::set_messages(jmc::Messages{header, joiner, fatal_suffix, parts, phases});
-  }, "The texts of failures raised by the check handler (from jax_moe_comm/errors.py).");
+  m.def("set_messages", &jmc::set_messages,
+        "The texts of failures raised by the check handler (from jax_moe_comm/errors.py).");
   m.def("describe_failure", &jmc::describe_failure, "A failure's text, as the check handler raises it.");
   m.def("raise_if_failed_handlers", [] {
     return std::map<std::string, nb::capsule>{
