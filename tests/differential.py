@@ -184,6 +184,9 @@ def setups(draw, world: int = 1, patterns: tuple[str, ...] = PATTERNS, small: bo
         value = draw(st.sampled_from(choices))
         if value != {"prereduce_min_tokens": 64, "ids_first_min_tokens": 1024, "low_latency_max_tokens": 0}[name]:
             options[name] = value
+    max_sms = draw(st.sampled_from((None, None, 1, 3)))  # an SM budget: grids of at most that many blocks
+    if max_sms is not None:
+        options["max_sms"] = max_sms
     transport = draw(st.sampled_from(("stores", "stores", "staged", "window")))
     slots = -(-T // dp_size)
     if transport == "staged":
