@@ -148,7 +148,9 @@ def host_gather(tree):
     """``tree`` with every array leaf as a NumPy array of its global value, on every process, moved through the
     jax.distributed key-value store instead of an XLA collective: processes that share one GPU cannot run one (NCCL
     refuses two ranks on one device), and results are checked on the host anyway. Every process calls it with the
-    same trees in the same order. For checking and reporting, not for a training loop's data path."""
+    same trees in the same order. A leaf whose value raises on one process (a device error) raises on every process
+    (the others: a JaxRuntimeError naming that process and its error), so none waits for the failed one. For checking
+    and reporting, not for a training loop's data path."""
     import jax
     import numpy as np
 
@@ -165,12 +167,18 @@ def host_gather(tree):
             out.append(np.asarray(a))
             continue
         key = f"jax_moe_comm/host_gather/{call}/{i}"
-        pieces = [(shard.index, np.asarray(shard.data)) for shard in a.addressable_shards if shard.replica_id == 0]
+        try:
+            pieces = [(shard.index, np.asarray(shard.data)) for shard in a.addressable_shards if shard.replica_id == 0]
+        except Exception as exc:  # this process's value failed (a device error): every process raises, not waits
+            client.key_value_set_bytes(f"{key}/{me}", pickle.dumps(f"{type(exc).__name__}: {exc}"))
+            raise
         client.key_value_set_bytes(f"{key}/{me}", pickle.dumps(pieces))
         full = np.zeros(a.shape, a.dtype)
         for process in range(jax.process_count()):
-            for index, data in pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{process}",
-                                                                                _KEY_VALUE_TIMEOUT_MS)):
+            got = pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{process}", _KEY_VALUE_TIMEOUT_MS))
+            if isinstance(got, str):
+                raise jax.errors.JaxRuntimeError(f"host_gather: process {process}'s value raised {got}")
+            for index, data in got:
                 full[index] = data
         client.wait_at_barrier(f"{key}/read", _KEY_VALUE_TIMEOUT_MS)  # every process has read every piece
         client.key_value_delete(f"{key}/{me}")

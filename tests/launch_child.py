@@ -8,6 +8,7 @@ Modes (argv[1]):
   env        print the launcher's environment variables (no JAX)
   host_gather  a global array from each process's rows, gathered by host_gather; process 0's value everywhere;
                every process's value everywhere (from_every_process)
+  host_gather_failure  host_gather of a value that raises on rank 1 only: "OK ... raised: True" on every rank
   exit_watch   write to stderr what JAX's GPU client logs as a process leaves the job (its task watch cancelled, as
                an H200 job printed it), then a line "more" when argv[3] is "more", then exit with status argv[2]
 """
@@ -60,6 +61,35 @@ def gather_without_collectives() -> None:
     everyone = from_every_process("child_each", f"from {process_id}")
     assert everyone == [f"from {p}" for p in range(num_processes)], everyone
     print(f"OK process {process_id} gathered {got['a'].shape} chosen={chosen}", flush=True)
+    jax.distributed.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def gather_a_failure() -> None:
+    """host_gather of a value that raises on process 1 only (there deleted, so reading it raises, as a device error
+    does): every process raises (none waits for the failed one), the others naming process 1's error."""
+    from jax_moe_comm.launch import host_gather, initialize_distributed
+
+    process_id, num_processes = initialize_distributed()
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    rows = np.arange(num_processes * 6, dtype=np.float32).reshape(num_processes * 2, 3)
+    a, b = (jax.make_array_from_callback(rows.shape, NamedSharding(mesh, P("p")), lambda index: rows[index])
+            for _ in range(2))
+    if process_id == 1:
+        b.delete()
+    try:
+        host_gather({"a": a, "b": b})
+    except Exception as exc:
+        named = process_id == 1 or (isinstance(exc, jax.errors.JaxRuntimeError) and "process 1's value" in str(exc))
+        print(f"OK process {process_id} raised: {named and 'deleted' in str(exc)}", flush=True)
+    else:
+        print(f"process {process_id} did not raise", flush=True)
     jax.distributed.shutdown()
     sys.stdout.flush()
     os._exit(0)
@@ -126,6 +156,8 @@ if __name__ == "__main__":
         env()
     elif mode == "host_gather":
         gather_without_collectives()
+    elif mode == "host_gather_failure":
+        gather_a_failure()
     elif mode == "exit_watch":
         exit_watch(int(sys.argv[2]), sys.argv[3:] == ["more"])
     else:

@@ -74,6 +74,16 @@ def test_host_gather_and_from_process_0_move_values_through_the_key_value_store(
         assert f"[rank {rank}] OK process {rank} gathered (4, 3) chosen=[0, 'from 0']" in out, r.stdout + r.stderr
 
 
+def test_host_gather_raises_on_every_process_when_one_value_fails() -> None:
+    """A value that raises on one process (a device error) raises in host_gather on every process, the failed
+    process's error named, instead of leaving the others waiting for its piece."""
+    r = _run("-n", "2", "--cpu", "--", CHILD, "host_gather_failure")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = _lines(r.stdout)
+    for rank in (0, 1):
+        assert f"[rank {rank}] OK process {rank} raised: True" in out, r.stdout + r.stderr
+
+
 def test_two_nodes_one_process_each() -> None:
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [
