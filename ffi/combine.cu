@@ -11,6 +11,8 @@
 namespace jmc {
 namespace {
 
+constexpr int kWideThreads = 2 * kThreads;  // the pre-reduced kernel's blocks under an SM budget (launch_combine)
+
 // The send did not run (refused, or out of protocol order: the send status says so): neither does the receive, whose
 // end still ends the round trip (finish_phase), and y is NaN.
 template <typename Out>
@@ -29,9 +31,10 @@ __global__ void combine_kernel(Context ctx, CombineSendArgs send, CombineRecvArg
 }
 
 // Pre-reduced: partial rows in the output dtype, one per (token, expert rank), added up.
-// Two blocks per SM (at most 128 registers): the pre-reduction waits on loads, so it wants warps to switch to.
+// 16 warps per SM (at most 128 registers: two blocks, or one block of kWideThreads under an SM budget): the
+// pre-reduction waits on loads, so it wants warps to switch to.
 template <typename In, typename Out>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kWideThreads, 1)
     combine_reduced_kernel(Context ctx, CombineSendArgs send, CombineRecvArgs recv) {
   if (!combine_send_reduced<In, Out>(ctx, send, false)) return skip_receive<Out>(ctx, recv);
   mark(ctx, kCombineRecv, kStart);
@@ -139,14 +142,17 @@ cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, cons
   int per_sm = 0;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   if (err != cudaSuccess) return err;
-  const int blocks = within_budget(ctx.s, std::min(std::max(combine_send_blocks(ctx.s, reduced),
-                                                             combine_recv_blocks(ctx.s)),
-                                                    std::max(per_sm, 1) * ctx.s.sm_count));
+  const int wanted = std::min(std::max(combine_send_blocks(ctx.s, reduced), combine_recv_blocks(ctx.s)),
+                              std::max(per_sm, 1) * ctx.s.sm_count);
+  const int blocks = within_budget(ctx.s, wanted);
+  // Under an SM budget that binds, the pre-reduced kernel's blocks are twice as wide where two fit an SM: as many
+  // warps per SM as without the budget, on no more SMs.
+  const bool wide = reduced && !windowed(ctx.s) && !flagged && blocks < wanted && per_sm >= 2;
   Context c = ctx;
   CombineSendArgs send_args = send;
   CombineRecvArgs recv_args = recv;
   void* params[] = {&c, &send_args, &recv_args};
-  return cudaLaunchCooperativeKernel(kernel, blocks, kThreads, params, 0, stream);
+  return cudaLaunchCooperativeKernel(kernel, blocks, wide ? kWideThreads : kThreads, params, 0, stream);
 }
 
 }  // namespace jmc

@@ -30,6 +30,7 @@ __global__ void dispatch_kernel(Context ctx, DispatchSendArgs send, DispatchRecv
 
 // This rank's own rows, read by its receive straight from x (one replica per DP group: its token t is token t).
 struct FromX {
+  static constexpr bool kRowPerToken = true;  // one row for all of a token's slots (copy_share's fan-out)
   const Sizes& s;
   const DispatchSendArgs& a;
   __device__ const char* payload(int, int t) const {

@@ -351,6 +351,7 @@ JMC_COLD void drop_slot(const Context& ctx, int g, int t, int k) {
 // Where token t of DP group g's row (payload, scales) is read from: the slot it arrived in, in its source's window
 // (its slots from `slot_base` on: a round of the windowed dispatch; else all of them).
 struct FromSlots {
+  static constexpr bool kRowPerToken = false;  // a warp per slot: the fan-out is for this rank's own rows (FromX)
   const Context& ctx;
   int slot_base = 0;
   __device__ const char* payload(int g, int t) const {
@@ -368,6 +369,7 @@ struct FromSlots {
 // The staged path's rows (dispatch_send_staged_kernel): token t of DP group g's row at the place in its source's
 // region where the source packed it for this rank, which its slot k's route names (Context::dispatch_routes).
 struct FromRoutedSlots {
+  static constexpr bool kRowPerToken = false;  // a row per slot (its route)
   const Context& ctx;
   __device__ void copy(char* payload_to, float* scales_to, int g, int t, int k, int lane) const {
     const Sizes& s = ctx.s;
@@ -383,6 +385,7 @@ struct FromRoutedSlots {
 // The low-latency path's rows (Context::flagged): token t of DP group g from the flagged words of the slot it
 // arrived in, each polled until it holds this round trip's data.
 struct FromFlagged {
+  static constexpr bool kRowPerToken = false;  // words polled as they are copied
   const Context& ctx;
   __device__ void copy(char* payload_to, float* scales_to, int g, int t, int /*k*/, int lane) const {
     const Sizes& s = ctx.s;
@@ -428,10 +431,33 @@ __device__ inline void land_flagged_ids(const Context& ctx, const Receive& r) {
   __syncthreads();
 }
 
+// A token's places in expert_x (-1: none), slot by slot.
+struct Places {
+  int at[kUnrolledSlots];
+};
+
+// A warp stores one row (payload and scales, 16-byte aligned: RowInRegisters::fits) at each of its places: loaded
+// once, its stores to every place in flight together. Not inlined: the row's words then take registers of this call
+// alone, not of the receive around it, which is at the register cap already.
+static __device__ __noinline__ void fan_out_row(const void* payload, const void* scales, Places places, void* expert_x,
+                                                float* expert_scales, int payload_bytes, int scale_cols) {
+  const int lane = threadIdx.x % 32;
+  RowInRegisters row;
+  row.load(payload, payload_bytes, scales, 4 * scale_cols, lane);
+#pragma unroll
+  for (int k = 0; k < kUnrolledSlots; ++k) {
+    const int p = places.at[k];
+    if (p >= 0)
+      row.store(static_cast<char*>(expert_x) + static_cast<size_t>(p) * payload_bytes, payload_bytes,
+                expert_scales + static_cast<size_t>(p) * scale_cols, 4 * scale_cols, lane);
+  }
+}
+
 // 4. A share's rows, a batch of blockDim arrivals at a time. A token's row for local expert l lands at
 //    group_base[l, g] + the rows for l of the group's earlier tokens: those before the batch (`before`) and those
 //    of the batch (bit masks). A warp per (token, slot) copies the row from `from` (FromSlots, FromFlagged, or this
-//    rank's own x). The thread that reads a token's ids for the bits also notes its slots here (local_slots) and
+//    rank's own x); this rank's own rows (From::kRowPerToken), a warp per token: its row loaded once, stored to each
+//    of its slots here. The thread that reads a token's ids for the bits also notes its slots here (local_slots) and
 //    their experts (slot_expert, slots below kUnrolledSlots), so a copy starts with its row's loads: reading the ids
 //    again put an L2 round trip before every copy, and one more before every slot with no copy here.
 template <typename From>
@@ -460,25 +486,64 @@ __device__ inline void copy_share(const Context& ctx, const DispatchRecvArgs& a,
     local_slots[threadIdx.x] = here;
     __syncthreads();
     const int batch_tokens = min(static_cast<int>(blockDim.x), sh.end - batch);
-    for (int h = warp; h < batch_tokens * K; h += warps) {  // a warp per (token, slot) of the batch
-      const int j = h / K, k = h % K, i = batch + j;
-      if (!(local_slots[j] >> k & 1u)) continue;  // not live, or an expert of another rank
-      const int g = group_of(first, i), t = sh.token_base + i - first[g];
+    // Slot k of batch token j: where its row lands (-1: nowhere here; an overflow is dropped and its source told).
+    const auto place_of = [&](int j, int k, int g, int t) {
+      const int i = batch + j;
       // Slots past kUnrolledSlots read their id again: on the low-latency path a block whose wait gave up may have
       // rewritten it since (land_flagged_ids), so it is checked again.
       const int l = k < kUnrolledSlots ? slot_expert[j][k] : ids_at(i, g)[k] - first_local;
-      if (l < 0 || l >= L) continue;
+      if (l < 0 || l >= L) return -1;
       const int at = max(first[g] - batch, 0);  // the batch's first arrival of group g
       const int p = r.group_base[l * G + g] + r.before[l * G + g] + count_bits(r.hits + l * kBitWords, at, j);
       // Overflow (past capacity, or past the rows its expert keeps): never written (derive_layout reported it); its
       // source is told: no row comes.
       if (p >= s.capacity || p - r.expert_start[l] >= r.expert_rows[l]) {
         if (lane == 0) drop_slot(*ctx.on_device, g, t, k);
-        continue;
+        return -1;
       }
-      from.copy(static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes,
-                a.expert_scales + static_cast<size_t>(p) * s.scale_cols, g, t, k, lane);
       if (lane == 0) a.row_origin[p] = (g * s.max_tokens + t) * K + k;
+      return p;
+    };
+    const auto payload_at = [&](int p) {
+      return static_cast<char*>(a.expert_x) + static_cast<size_t>(p) * s.payload_bytes;
+    };
+    const auto scales_at = [&](int p) { return a.expert_scales + static_cast<size_t>(p) * s.scale_cols; };
+    // A warp per token when the batch has one for every warp and its rows fit in registers: the row is loaded once
+    // and stored to each of its slots here (up to K rows from one load, its stores in flight together). Otherwise a
+    // warp per (token, slot), so that a few tokens' rows still spread over every warp.
+    bool per_token = false;
+    if constexpr (From::kRowPerToken)
+      per_token = batch_tokens >= warps && K <= kUnrolledSlots &&
+                  RowInRegisters::fits(reinterpret_cast<uintptr_t>(a.expert_x) |
+                                           (s.scale_cols ? reinterpret_cast<uintptr_t>(a.expert_scales) : 0),
+                                       s.payload_bytes, 4 * s.scale_cols);
+    if constexpr (From::kRowPerToken) {
+      for (int j = warp; per_token && j < batch_tokens; j += warps) {
+        const unsigned slots = local_slots[j];
+        if (slots == 0) continue;  // no live slot here
+        const int i = batch + j, g = group_of(first, i), t = sh.token_base + i - first[g];
+        const char* payload = from.payload(g, t);
+        const void* scales = from.scales(g, t);
+        if (!RowInRegisters::fits(reinterpret_cast<uintptr_t>(payload) |
+                                      (s.scale_cols ? reinterpret_cast<uintptr_t>(scales) : 0),
+                                  s.payload_bytes, 4 * s.scale_cols)) {
+          for (unsigned m = slots; m; m &= m - 1) {
+            const int k = __ffs(m) - 1, p = place_of(j, k, g, t);
+            if (p >= 0) from.copy(payload_at(p), scales_at(p), g, t, k, lane);
+          }
+          continue;
+        }
+        Places places;
+        for (int k = 0; k < kUnrolledSlots; ++k) places.at[k] = slots >> k & 1u ? place_of(j, k, g, t) : -1;
+        fan_out_row(payload, scales, places, a.expert_x, a.expert_scales, s.payload_bytes, s.scale_cols);
+      }
+    }
+    for (int h = warp; !per_token && h < batch_tokens * K; h += warps) {  // a warp per (token, slot) of the batch
+      const int j = h / K, k = h % K, i = batch + j;
+      if (!(local_slots[j] >> k & 1u)) continue;  // not live, or an expert of another rank
+      const int g = group_of(first, i), t = sh.token_base + i - first[g];
+      const int p = place_of(j, k, g, t);
+      if (p >= 0) from.copy(payload_at(p), scales_at(p), g, t, k, lane);
     }
     __syncthreads();  // every warp has read `before` and the bits: the next batch counts on
     for (int i = threadIdx.x; i < L * G; i += blockDim.x) {
