@@ -154,7 +154,8 @@ def host_gather(tree):
     import jax
     import numpy as np
 
-    leaves, treedef = jax.tree.flatten(tree)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [a for _, a in with_paths]
     if jax.process_count() == 1:
         return treedef.unflatten([np.asarray(a) for a in leaves])
     from jax._src import distributed  # the client of jax.distributed's key-value store; no public handle to it
@@ -172,13 +173,17 @@ def host_gather(tree):
         except Exception as exc:  # this process's value failed (a device error): every process raises, not waits
             client.key_value_set_bytes(f"{key}/{me}", pickle.dumps(f"{type(exc).__name__}: {exc}"))
             raise
-        client.key_value_set_bytes(f"{key}/{me}", pickle.dumps(pieces))
+        leaf = (jax.tree_util.keystr(with_paths[i][0]), a.shape, str(a.dtype))
+        client.key_value_set_bytes(f"{key}/{me}", pickle.dumps((leaf, pieces)))
         full = np.zeros(a.shape, a.dtype)
         for process in range(jax.process_count()):
             got = pickle.loads(client.blocking_key_value_get_bytes(f"{key}/{process}", _KEY_VALUE_TIMEOUT_MS))
             if isinstance(got, str):
                 raise jax.errors.JaxRuntimeError(f"host_gather: process {process}'s value raised {got}")
-            for index, data in got:
+            theirs, pieces_there = got
+            if theirs != leaf:  # the processes passed different trees (or leaves out of step): name both
+                raise ValueError(f"host_gather: leaf {i} is {leaf} on process {me} but {theirs} on process {process}")
+            for index, data in pieces_there:
                 full[index] = data
         client.wait_at_barrier(f"{key}/read", _KEY_VALUE_TIMEOUT_MS)  # every process has read every piece
         client.key_value_delete(f"{key}/{me}")

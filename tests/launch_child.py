@@ -8,7 +8,8 @@ Modes (argv[1]):
   env        print the launcher's environment variables (no JAX)
   host_gather  a global array from each process's rows, gathered by host_gather; process 0's value everywhere;
                every process's value everywhere (from_every_process)
-  host_gather_failure  host_gather of a value that raises on rank 1 only: "OK ... raised: True" on every rank
+  host_gather_failure  host_gather of a value that raises on rank 1 only: "OK ... raised: True" on every rank;
+               with argv[2] "trees", of trees that differ between the ranks (each names the other's leaf)
   exit_watch   write to stderr what JAX's GPU client logs as a process leaves the job (its task watch cancelled, as
                an H200 job printed it), then a line "more" when argv[3] is "more", then exit with status argv[2]
 """
@@ -81,6 +82,14 @@ def gather_a_failure() -> None:
     rows = np.arange(num_processes * 6, dtype=np.float32).reshape(num_processes * 2, 3)
     a, b = (jax.make_array_from_callback(rows.shape, NamedSharding(mesh, P("p")), lambda index: rows[index])
             for _ in range(2))
+    if sys.argv[2:] == ["trees"]:  # process 1 names its leaf otherwise: the trees differ
+        try:
+            host_gather({"a": a} if process_id == 0 else {"other": a})
+        except ValueError as exc:
+            print(f"OK process {process_id} raised: {'leaf 0' in str(exc) and 'other' in str(exc)}", flush=True)
+        jax.distributed.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     if process_id == 1:
         b.delete()
     try:

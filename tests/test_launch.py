@@ -84,6 +84,16 @@ def test_host_gather_raises_on_every_process_when_one_value_fails() -> None:
         assert f"[rank {rank}] OK process {rank} raised: True" in out, r.stdout + r.stderr
 
 
+def test_host_gather_names_the_leaves_when_the_processes_trees_differ() -> None:
+    """Processes that pass host_gather different trees get a ValueError naming each one's leaf, not each other's
+    pieces pasted into the wrong array."""
+    r = _run("-n", "2", "--cpu", "--", CHILD, "host_gather_failure", "trees")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = _lines(r.stdout)
+    for rank in (0, 1):
+        assert f"[rank {rank}] OK process {rank} raised: True" in out, r.stdout + r.stderr
+
+
 def test_two_nodes_one_process_each() -> None:
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [
