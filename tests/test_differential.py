@@ -38,17 +38,20 @@ def test_a_seeded_sample_of_the_option_space_agrees_with_the_oracle_and_plain_ad
     assert not failures, "\n".join(failures)
 
 
-def test_a_sample_across_two_processes_gathers_without_collectives_and_agrees():
+@pytest.mark.parametrize("seed", [["--seed", str(SEED)], []], ids=["seeded", "each process's clock"])
+def test_a_sample_across_two_processes_gathers_without_collectives_and_agrees(seed):
     """The GPU runner itself (tests/gpu/xla_differential.py) on two CPU processes under the launcher, the reference
     backend under test: global arrays built from each process's host data, results gathered through the
     jax.distributed key-value store (jax_moe_comm.launch.host_gather: no XLA collective, which processes sharing
-    one GPU cannot run)."""
+    one GPU cannot run). Without --seed every process draws process 0's seed (each one's own clock would give the
+    processes different programs)."""
     runner = Path(__file__).resolve().parent / "gpu" / "xla_differential.py"
+    setups = "3" if seed else "2"
     done = subprocess.run([sys.executable, "-m", "jax_moe_comm.launch", "-n", "2", "--cpu", "--", str(runner),
-                           "--backend", "reference", "--small", "--setups", "3", "--runs", "2", "--seed", str(SEED)],
+                           "--backend", "reference", "--small", "--setups", setups, "--runs", "2", *seed],
                           capture_output=True, text=True, timeout=600, env=standalone_cpu_env())
     output = done.stdout + done.stderr
-    assert "[rank 0] differential: 6 draws, 0 failures (world 2" in done.stdout, output[-4000:]
+    assert f"[rank 0] differential: {2 * int(setups)} draws, 0 failures (world 2" in done.stdout, output[-4000:]
     assert done.returncode == 0, output[-4000:]
 
 

@@ -38,14 +38,15 @@ from jax._src import distributed  # noqa: E402  (the key-value store's client: a
 from jax.sharding import Mesh  # noqa: E402
 
 import jax_moe_comm as jmc  # noqa: E402
-from jax_moe_comm.launch import initialize_distributed  # noqa: E402
+from jax_moe_comm.launch import from_process_0, initialize_distributed  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--setups", type=int, default=50)
     parser.add_argument("--runs", type=int, default=4, help="inputs per Setup (one compilation)")
-    parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)))
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)),
+                        help="the draws' seed (several processes: process 0's, so that every process draws alike)")
     parser.add_argument("--replay", default="", metavar="JSON", help="one draw, as a failure printed it")
     parser.add_argument("--regressions", action="store_true",
                         help="first the named draws of earlier failures (differential.REGRESSIONS), at world 1")
@@ -68,6 +69,7 @@ def main() -> int:
     if args.backend == "nvshmem":
         jmc.initialize(symmetric_size=args.symmetric_size)
     world = jax.process_count()
+    args.seed = from_process_0("xla_differential_seed", lambda: args.seed)  # each process's clock differs
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     if args.replay:
         groups = [[differential.Draw.from_json(args.replay)]]
