@@ -240,14 +240,16 @@ struct PartialRuns {
 // them, or a round of the windowed combine (combine.cu), whose tokens' partial rows go to their places in the
 // round's window (token t at t - first_slot * dp_size). Staged (combine_send_reduced_staged): into the runs of
 // `runs` instead.
-template <typename In, typename Partial, bool Staged = false>
+// WholeRows: a work item is a token's whole row (every segment), its lookups made once: where the warps are few (an
+// SM budget) the lookups, not the loads, held the rows back.
+template <typename In, typename Partial, bool Staged = false, bool WholeRows = false>
 __device__ inline void store_partial_rows(const Context& ctx, const CombineSendArgs& a, int first_slot, int slots,
                                           const PartialRuns* runs = nullptr) {
   // One partial row per arrived token with a live slot here. A warp takes one segment of kSegChunks chunks per lane
   // of the row (lanes interleaved: coalesced), so a token's columns spread over many warps, each lane with the
   // chunks of kExpertRowsInFlight rows in flight together: a warp per token walked the 7168 columns of R1 one load
-  // at a time. (Whole tokens per warp, reading each ids row once, lost at T=4096: a token has 0 to 8 rows here, and
-  // the warp with the most rows ended the phase tens of microseconds after the rest.)
+  // at a time. (Whole tokens per warp, reading each ids row once, lost at T=4096 with every SM: a token has 0 to 8
+  // rows here, and the warp with the most rows ended the phase tens of microseconds after the rest. WholeRows.)
   const Sizes& s = ctx.s;
   const int K = s.experts_per_token, T = s.max_tokens, L = s.local_experts, H = s.hidden;
   const int lane = lane_index(), gwarp = grid_warp_index(), nwarps = grid_warps();
@@ -266,8 +268,10 @@ __device__ inline void store_partial_rows(const Context& ctx, const CombineSendA
   int most = 0;  // tokens of the largest source
   for (int src = 0; src < s.world; ++src) most = max(most, arrived_from[src]);
   const int round_slots = max(min(most - first_slot, slots), 0);
-  for (int item = gwarp; item < round_slots * s.world * segments; item += nwarps) {
-    const int src = item / segments % s.world, i = first_slot + item / segments / s.world, seg = item % segments;
+  const int items_per_token = WholeRows ? 1 : segments;
+  for (int item = gwarp; item < round_slots * s.world * items_per_token; item += nwarps) {
+    const int src = item / items_per_token % s.world, i = first_slot + item / items_per_token / s.world,
+              item_seg = item % items_per_token;
     if (i >= arrived_from[src]) continue;  // a source with fewer tokens
     const int g = src / s.dp_size;
     const size_t slot = static_cast<size_t>(src) * s.slots_per_source + i;
@@ -301,61 +305,69 @@ __device__ inline void store_partial_rows(const Context& ctx, const CombineSendA
       at = static_cast<size_t>(t - first_slot * s.dp_size) * K + partial_place(live, id / L, s.rank);
     }
     char* dst = ctx.combine_partials + at * s.combine_stride;
-    const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
-    float acc[kSegChunks][kChunk] = {};
-    // Slots in order, like the reference; kExpertRowsInFlight rows' chunks are loaded before any is added. A row and
-    // its weight come from its slot's lane.
-    for (unsigned pending = with_row; pending;) {
-      const In* rows[kExpertRowsInFlight];
-      float weights[kExpertRowsInFlight];
-      bool has[kExpertRowsInFlight];
+    // One segment of the row: its weighted sum, stored to every replica of the source.
+    const auto reduce_segment = [&](int seg) {
+      const auto col_of = [&](int u) { return seg * kSegCols + (u * 32 + lane) * kChunk; };
+      float acc[kSegChunks][kChunk] = {};
+      // Slots in order, like the reference; kExpertRowsInFlight rows' chunks are loaded before any is added. A row and
+      // its weight come from its slot's lane.
+      for (unsigned pending = with_row; pending;) {
+        const In* rows[kExpertRowsInFlight];
+        float weights[kExpertRowsInFlight];
+        bool has[kExpertRowsInFlight];
 #pragma unroll
-      for (int b = 0; b < kExpertRowsInFlight; ++b) {
-        has[b] = pending != 0;
-        const int k = has[b] ? __ffs(pending) - 1 : 0;
-        pending &= pending - 1;
-        const int r = max(__shfl_sync(0xffffffffu, row, k), 0);  // 0: no row (not loaded)
-        rows[b] = static_cast<const In*>(a.expert_y) + static_cast<size_t>(r) * H;
-        weights[b] = __shfl_sync(0xffffffffu, weight, k);
+        for (int b = 0; b < kExpertRowsInFlight; ++b) {
+          has[b] = pending != 0;
+          const int k = has[b] ? __ffs(pending) - 1 : 0;
+          pending &= pending - 1;
+          const int r = max(__shfl_sync(0xffffffffu, row, k), 0);  // 0: no row (not loaded)
+          rows[b] = static_cast<const In*>(a.expert_y) + static_cast<size_t>(r) * H;
+          weights[b] = __shfl_sync(0xffffffffu, weight, k);
+        }
+        if (vector_ok) {
+          Chunk<In> v[kExpertRowsInFlight][kSegChunks];
+#pragma unroll
+          for (int b = 0; b < kExpertRowsInFlight; ++b)
+#pragma unroll
+            for (int u = 0; u < kSegChunks; ++u)
+              if (has[b] && col_of(u) < H) v[b][u] = *reinterpret_cast<const Chunk<In>*>(rows[b] + col_of(u));
+#pragma unroll
+          for (int b = 0; b < kExpertRowsInFlight; ++b)
+#pragma unroll
+            for (int u = 0; u < kSegChunks; ++u)
+              if (has[b] && col_of(u) < H)
+#pragma unroll
+                for (int c = 0; c < kChunk; ++c) acc[u][c] += weights[b] * to_float(v[b][u].v[c]);
+        } else {
+          for (int b = 0; b < kExpertRowsInFlight; ++b)
+            for (int u = 0; u < kSegChunks; ++u)
+              if (has[b] && col_of(u) < H)
+                add_chunk(acc[u], weights[b], rows[b] + col_of(u), false, min(kChunk, H - col_of(u)));
+        }
       }
-      if (vector_ok) {
-        Chunk<In> v[kExpertRowsInFlight][kSegChunks];
+      const auto store = [&](char* to) {
+        Partial* out = reinterpret_cast<Partial*>(to);
 #pragma unroll
-        for (int b = 0; b < kExpertRowsInFlight; ++b)
-#pragma unroll
-          for (int u = 0; u < kSegChunks; ++u)
-            if (has[b] && col_of(u) < H) v[b][u] = *reinterpret_cast<const Chunk<In>*>(rows[b] + col_of(u));
-#pragma unroll
-        for (int b = 0; b < kExpertRowsInFlight; ++b)
-#pragma unroll
-          for (int u = 0; u < kSegChunks; ++u)
-            if (has[b] && col_of(u) < H)
-#pragma unroll
-              for (int c = 0; c < kChunk; ++c) acc[u][c] += weights[b] * to_float(v[b][u].v[c]);
-      } else {
-        for (int b = 0; b < kExpertRowsInFlight; ++b)
-          for (int u = 0; u < kSegChunks; ++u)
-            if (has[b] && col_of(u) < H)
-              add_chunk(acc[u], weights[b], rows[b] + col_of(u), false, min(kChunk, H - col_of(u)));
+        for (int u = 0; u < kSegChunks; ++u)
+          if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));
+      };
+      bool staged = false;  // Staged: the row is in staging for the replicas off NVLink
+      for (int r = 0; r < s.dp_size; ++r) {
+        const int replica = g * s.dp_size + r;
+        if (!Staged) {
+          store(peer_ptr(ctx, dst, replica));
+        } else if (stores_into(ctx, replica)) {
+          store(store_ptr(ctx, dst, replica));
+        } else if (!staged) {
+          store(ctx.combine_staging + (static_cast<size_t>(runs->stage_first[src]) + route) * s.combine_stride);
+          staged = true;
+        }
       }
-    }
-    const auto store = [&](char* to) {
-      Partial* out = reinterpret_cast<Partial*>(to);
-#pragma unroll
-      for (int u = 0; u < kSegChunks; ++u)
-        if (col_of(u) < H) store_chunk(out + col_of(u), acc[u], vector_out, min(kChunk, H - col_of(u)));
     };
-    bool staged = false;  // Staged: the row is in staging for the replicas off NVLink
-    for (int r = 0; r < s.dp_size; ++r) {
-      const int replica = g * s.dp_size + r;
-      if (!Staged) {
-        store(peer_ptr(ctx, dst, replica));
-      } else if (stores_into(ctx, replica)) {
-        store(store_ptr(ctx, dst, replica));
-      } else if (!staged) {
-        store(ctx.combine_staging + (static_cast<size_t>(runs->stage_first[src]) + route) * s.combine_stride);
-        staged = true;
-      }
+    if constexpr (WholeRows) {
+      for (int seg = 0; seg < segments; ++seg) reduce_segment(seg);
+    } else {
+      reduce_segment(item_seg);
     }
   }
 }
@@ -420,13 +432,13 @@ __device__ inline void exchange_weights_staged(const Context& ctx, const Combine
 //      combine_partials[token][j], j this rank's place among the ranks of the token's live slots (partial_place).
 //   4. The last block SETs partials_ready and the sync flag ("done reading your dispatch buffers": the ids rows
 //      are read in 3) on every rank. Every word is tagged with the round trip's epoch.
-template <typename In, typename Partial>
+template <typename In, typename Partial, bool WholeRows = false>
 __device__ inline bool combine_send_reduced(const Context& ctx, const CombineSendArgs& a, bool advance) {
   const Sizes& s = ctx.s;
   if (!begin_phase(ctx, kCombineSend, a.status)) return false;
   const uint32_t epoch = current_epoch(ctx);
   exchange_weights(ctx, a);
-  store_partial_rows<In, Partial>(ctx, a, 0, s.slots_per_source);
+  store_partial_rows<In, Partial, false, WholeRows>(ctx, a, 0, s.slots_per_source);
   mark(ctx, kCombineSend, kWorked);
   __threadfence_system();  // this thread's partial rows reach every peer before the signals below
   mark(ctx, kCombineSend, kClosed);
