@@ -40,7 +40,7 @@ from jax import Array
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from .config import Geometry
-from .kernel_call import varying_axes
+from .kernel_call import aval_varying_axes, varying_axes, varying_over
 from .types import CombineHandle, Dispatched
 
 
@@ -74,6 +74,25 @@ class Phases:
     def combine(self, expert_y, handle, topk_weights) -> Array:
         return self.impl.combine(self.plan, expert_y, handle, topk_weights, self.weights_at)
 
+    def dispatch_beside(self, place, x, topk_ids, scales, num_tokens, topk_weights=None, after=None):
+        """(the dispatch, what `place` computed): the dispatch in split halves, `place` (pending -> (its result,
+        pending)) between them."""
+        p = self.impl.dispatch_send(self.plan, x, topk_ids, scales, num_tokens, topk_weights, after)
+        out, p = place(p)
+        return with_grad_link(self.impl.dispatch_recv(self.plan, p)), out
+
+    def combine_beside(self, place, expert_y, handle, topk_weights):
+        """(the combine, what `place` computed): the combine in split halves, the weights given where the fused call
+        gives them (weights_at), `place` between them."""
+        if self.weights_at == "send":  # None: the handle's, which count as given to the send
+            q = self.impl.combine_send(self.plan, expert_y, handle, topk_weights)
+            out, q = place(q)
+            return self.impl.combine_recv(self.plan, q, None), out
+        weights = handle.topk_weights if topk_weights is None else topk_weights
+        q = self.impl.combine_send(self.plan, expert_y, dataclasses.replace(handle, topk_weights=None), None)
+        out, q = place(q)
+        return self.impl.combine_recv(self.plan, q, weights), out
+
     def backward(self) -> Phases:
         """The phases whose buffers carry the backward round trip: these, or for an fp8 payload grad's."""
         if not self.geo.cfg.is_fp8:
@@ -94,13 +113,19 @@ def dispatch(phases: Phases, x: Array, topk_ids: Array, scales: Array | None, nu
 def _dispatch_fwd(phases, *args):
     x, topk_ids, scales, num_tokens, topk_weights = custom_vjp_primal_tree_values(args)
     d = phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
+    return d, _dispatch_residuals(phases, x, d)
+
+
+def _dispatch_residuals(phases: Phases, x: Array, d: Dispatched) -> tuple:
     quantized = np.dtype(x.dtype) != phases.geo.cfg.dtype  # dispatch(..., quantize=...): bf16 x, fp8 rows
     # x's dtype, and for a quantizing dispatch the scales: the rows' gradient w.r.t. x passes the quantization
     # straight through (x ~ expert_x * scale, so d/dx = d/d expert_x / scale).
-    return d, (d.handle, jnp.zeros((0,), x.dtype), d.expert_scales if quantized else None)
+    return d.handle, jnp.zeros((0,), x.dtype), d.expert_scales if quantized else None
 
 
-def _dispatch_bwd(phases, residuals, ct: Dispatched):
+def _dispatch_bwd(phases, residuals, ct: Dispatched, place=None):
+    """place: with dispatch_beside, the compute's VJP placed between the backward combine's halves (pending ->
+    pending), or None."""
     cfg = phases.geo.cfg
     handle, x_dtype, quantized_scales = residuals[0], residuals[1].dtype, residuals[2]
     rows = ct.expert_x
@@ -123,7 +148,11 @@ def _dispatch_bwd(phases, residuals, ct: Dispatched):
         zeros = jnp.zeros((cfg.max_tokens, cfg.hidden), backward.geo.cfg.dtype)
         opening = backward.dispatch(zeros, handle.topk_ids, None, handle.num_tokens, after=rows).expert_x
         rows = rows + _tie(opening).astype(rows.dtype)  # so the combine runs after it
-    dx = backward.combine(rows, handle, live).astype(x_dtype)  # x's cotangent has x's dtype
+    if place is None:
+        dx = backward.combine(rows, handle, live)
+    else:
+        dx, _ = backward.combine_beside(lambda q: (None, place(q)), rows, handle, live)
+    dx = dx.astype(x_dtype)  # x's cotangent has x's dtype
     dp = cfg.dp_size
     if dp > 1:  # every replica received the group's dx; each replica's x only sent the tokens it owns
         own = jnp.arange(cfg.max_tokens) % dp == jax.lax.axis_index(phases.geo.axis_name) % dp
@@ -156,14 +185,18 @@ def combine(phases: Phases, expert_y: Array, handle: CombineHandle, topk_weights
 
 
 def _combine_fwd(phases, *args):
+    expert_y, handle, topk_weights = custom_vjp_primal_tree_values(args)
+    y = phases.combine(expert_y, handle, topk_weights)
+    return y, _combine_residuals(args[1], expert_y, handle, topk_weights, y)
+
+
+def _combine_residuals(handle_primal, expert_y, handle, topk_weights, y) -> tuple:
     # The link carries a gradient when the dispatch was differentiated, so that its rule will combine the backward
     # round trip that this rule's dispatch of dy opens (JAX can also give it one on the way, through a scan carry,
     # an optimization barrier or a cond output: docs/design.md, "Autodiff").
-    dispatch_follows = args[1].grad_link is not None and args[1].grad_link.perturbed
-    expert_y, handle, topk_weights = custom_vjp_primal_tree_values(args)
-    y = phases.combine(expert_y, handle, topk_weights)
+    dispatch_follows = handle_primal.grad_link is not None and handle_primal.grad_link.perturbed
     done = y.reshape(-1)[:1]  # a value of the forward's last transfer: orders the backward's transfers after it
-    return y, (expert_y, handle, topk_weights, done, jnp.zeros((int(dispatch_follows),), jnp.float32))
+    return expert_y, handle, topk_weights, done, jnp.zeros((int(dispatch_follows),), jnp.float32)
 
 
 def _summed_to(ct: Array, primal: Array) -> Array:
@@ -207,7 +240,9 @@ def _handle_cotangent(handle: CombineHandle, d_weights: Array | None) -> Combine
                          grad_link=None if handle.grad_link is None else handle.grad_link * 0)  # its vma
 
 
-def _combine_bwd(phases, residuals, dy):
+def _combine_bwd(phases, residuals, dy, place=None):
+    """place: with combine_beside, the compute's VJP placed between the backward dispatch's halves (pending ->
+    pending), or None."""
     backward = phases.backward()
     expert_y, handle, given_weights, done, dispatch_follows = residuals
     dy = jnp.zeros(dy.shape, dy.dtype) if isinstance(dy, SymbolicZero) else dy
@@ -223,8 +258,11 @@ def _combine_bwd(phases, residuals, dy):
     # depend on y (a linear loss): `after` makes the forward's output its operand. It holds dy too: the dispatch's
     # error check (check_errors=True) takes `after` alone, and must not run before dy exists (the later layers'
     # backward round trips launched), else it waits for round trips queued behind itself.
-    expert_dy = backward.dispatch(dy.astype(backward.geo.cfg.dtype), handle.topk_ids, None, handle.num_tokens,
-                                  after=_joined(done, dy)).expert_x
+    dy_args = (dy.astype(backward.geo.cfg.dtype), handle.topk_ids, None, handle.num_tokens)
+    if place is None:
+        expert_dy = backward.dispatch(*dy_args, after=_joined(done, dy)).expert_x
+    else:
+        expert_dy = backward.dispatch_beside(lambda p: (None, place(p)), *dy_args, after=_joined(done, dy))[0].expert_x
     expert_dy = expert_dy.astype(jnp.float32)
     origin = handle.row_origin
     has_token = origin >= 0
@@ -261,3 +299,115 @@ def _combine_bwd(phases, residuals, dy):
 
 
 combine.defvjp(_combine_fwd, _combine_bwd, symbolic_zeros=True)
+
+
+# A round trip with a computation beside it ---------------------------------------------------------------------
+# dispatch_beside and combine_beside run the round trip in split halves with `compute(*args)` between them (so a
+# send_stream can overlap it), and differentiate the whole: their rules are dispatch's and combine's, with the
+# compute's VJP placed between the halves of the backward round trip, which thereby overlaps it too. `compute`
+# differentiates its `args` only (JAX refuses a gradient through a value it closes over).
+
+
+def between(pending, compute, *args):
+    """(compute(*args), pending): the compute after the send that made `pending` and before the receive that takes it.
+    Two optimization barriers tie `args` to the send's result and the receive's operands to the compute's."""
+    args, pending = jax.lax.optimization_barrier((args, pending))
+    out = compute(*args)
+    out, pending = jax.lax.optimization_barrier((out, pending))
+    return out, pending
+
+
+def _vjp_kept(vjps: list, compute, *args):
+    """compute(*args), its VJP appended to `vjps` (the residual of a beside rule's forward)."""
+    out, vjp = jax.vjp(compute, *args)
+    vjps.append(vjp)
+    return out
+
+
+def _instantiated(ct):
+    """A cotangent pytree with its symbolic zeros made arrays (varying over the mesh axes their primal varies over)."""
+    def one(c):
+        if not isinstance(c, SymbolicZero):
+            return c
+        if c.aval.dtype == jax.dtypes.float0:
+            return np.zeros(c.aval.shape, jax.dtypes.float0)
+        return varying_over(jnp.zeros(c.aval.shape, c.aval.dtype), aval_varying_axes(c.aval))
+    return jax.tree.map(one, ct)
+
+
+def _variance(args) -> list:
+    """Per leaf of `args`, a zero-sized float32 array varying over the mesh axes the leaf varies over: between's
+    barrier makes every argument vary as the rows in flight do, so the compute's cotangents vary over those axes too,
+    and each is summed back to its argument's (_summed_to), as plain AD's transpose of that cast does."""
+    return [varying_over(jnp.zeros((0,), jnp.float32), varying_axes(a)) for a in jax.tree.leaves(args)]
+
+
+def _args_cotangent(cts, variance: list):
+    leaves, tree = jax.tree.flatten(cts)
+    summed = [c if c.dtype == jax.dtypes.float0 else _summed_to(c, v) for c, v in zip(leaves, variance, strict=True)]
+    return jax.tree.unflatten(tree, summed)
+
+
+def _backward_place(vjp, ct_out, variance: list, ct_args: list):
+    """The compute's VJP of `ct_out` between the backward round trip's halves, its cotangents (each summed to its
+    argument's variance) appended to `ct_args`."""
+    def place(pending):
+        cts, pending = between(pending, vjp, _instantiated(ct_out))
+        ct_args.append(_args_cotangent(cts, variance))
+        return pending
+    return place
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def dispatch_beside(phases: Phases, compute, args: tuple, x: Array, topk_ids: Array, scales: Array | None,
+                    num_tokens: Array, topk_weights: Array | None = None) -> tuple[Dispatched, Any]:
+    return phases.dispatch_beside(lambda p: between(p, compute, *args), x, topk_ids, scales, num_tokens,
+                                  topk_weights)
+
+
+def _dispatch_beside_fwd(phases, compute, *primals):
+    args, x, topk_ids, scales, num_tokens, topk_weights = custom_vjp_primal_tree_values(primals)
+    vjps = []
+    d, out = phases.dispatch_beside(lambda p: between(p, functools.partial(_vjp_kept, vjps, compute), *args), x,
+                                    topk_ids, scales, num_tokens, topk_weights)
+    return (d, out), (_dispatch_residuals(phases, x, d), vjps[0], _variance(args))
+
+
+def _dispatch_beside_bwd(phases, compute, residuals, cts):
+    dispatch_residuals, vjp, variance = residuals
+    ct_d, ct_out = cts
+    ct_args = []
+    dx, _, _, _, d_weights = _dispatch_bwd(phases, dispatch_residuals, ct_d,
+                                           _backward_place(vjp, ct_out, variance, ct_args))
+    if not ct_args:  # no backward round trip (nothing to send): the compute's VJP alone
+        ct_args.append(_args_cotangent(vjp(_instantiated(ct_out)), variance))
+    return ct_args[0], dx, None, None, None, d_weights
+
+
+dispatch_beside.defvjp(_dispatch_beside_fwd, _dispatch_beside_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def combine_beside(phases: Phases, compute, args: tuple, expert_y: Array, handle: CombineHandle,
+                   topk_weights: Array | None) -> tuple[Array, Any]:
+    return phases.combine_beside(lambda q: between(q, compute, *args), expert_y, handle, topk_weights)
+
+
+def _combine_beside_fwd(phases, compute, *primals):
+    args, expert_y, handle, topk_weights = custom_vjp_primal_tree_values(primals)
+    vjps = []
+    y, out = phases.combine_beside(lambda q: between(q, functools.partial(_vjp_kept, vjps, compute), *args),
+                                   expert_y, handle, topk_weights)
+    return (y, out), (_combine_residuals(primals[2], expert_y, handle, topk_weights, y), vjps[0], _variance(args))
+
+
+def _combine_beside_bwd(phases, compute, residuals, cts):
+    combine_residuals, vjp, variance = residuals
+    dy, ct_out = cts
+    ct_args = []
+    d_expert_y, handle_ct, d_weights = _combine_bwd(phases, combine_residuals, dy,
+                                                     _backward_place(vjp, ct_out, variance, ct_args))
+    return ct_args[0], d_expert_y, handle_ct, d_weights
+
+
+combine_beside.defvjp(_combine_beside_fwd, _combine_beside_bwd, symbolic_zeros=True)

@@ -170,7 +170,8 @@ class MoEComm:
       custom_vjp: differentiate the fused ``dispatch``/``combine`` with the rules of ``autodiff.py`` (built from
         the backend's own phases) instead of plain JAX AD. None (default): True on the NVSHMEM backend (its custom
         calls have no other gradient), False on the reference backend (plain AD through its collectives). With
-        True the split halves refuse a gradient (ValueError), alike on both backends.
+        True the split halves refuse a gradient (ValueError), alike on both backends; a round trip in split halves
+        with ``beside=`` (``dispatch``) is differentiable either way.
       grad_dtype: for float8_e4m3fn payloads only: the dtype (bfloat16, float16 or float32) in which gradients
         travel. Differentiating an fp8 dispatch with the custom VJP needs it: the backward round trip then runs on a
         second buffer set of that dtype (on the NVSHMEM backend: allocated here, ``symmetric_bytes`` counts it), so
@@ -242,8 +243,9 @@ class MoEComm:
         ``"own"``: a stream of this library's, created with the MoEComm: the send starts after what XLA queued
         before it, its receive makes XLA's stream wait for it and takes its operands (XLA keeps them live until
         then); these halves are then never captured into command buffers. Pair it with ``max_sms`` so the send
-        leaves SMs to the compute. The fused calls, the backward's round trips (fused) and the reference backend
-        are unchanged. The same results bit for bit.
+        leaves SMs to the compute. It acts on the split halves and on ``beside=`` round trips (whose backward round
+        trips run in split halves too); the fused calls and the reference backend are unchanged. The same results
+        bit for bit.
 
     On the NVSHMEM backend's NVLink path the fused ``dispatch`` and ``combine`` run one kernel each (send, then
     receive), the split halves two; the results are the same.
@@ -351,6 +353,11 @@ class MoEComm:
         # composition takes them, so the differentiable calls are jitted (a no-op inside a caller's jit).
         self._dispatch_vjp = jax.jit(lambda *args: autodiff.dispatch(self._phases, *args))
         self._combine_vjp = jax.jit(lambda *args: autodiff.combine(self._phases, *args))
+        # With a computation beside the round trip (its function static: a jit of its own per function).
+        self._dispatch_beside_vjp = jax.jit(lambda compute, *args: autodiff.dispatch_beside(self._phases, compute,
+                                                                                            *args), static_argnums=0)
+        self._combine_beside_vjp = jax.jit(lambda compute, *args: autodiff.combine_beside(self._phases, compute,
+                                                                                          *args), static_argnums=0)
         if self.backend == "nvshmem" and self.options.check_errors is True:  # failures raised later: see close()
             global _exit_report_registered
             _OPEN.add(self)
@@ -599,8 +606,9 @@ class MoEComm:
 
     def dispatch(self, x: Array, topk_ids: Array, scales: Array | None = None,
                  num_tokens: Array | None = None, topk_weights: Array | None = None,
-                 quantize: Any = None) -> Dispatched:
+                 quantize: Any = None, *, beside: tuple | None = None):
         """``dispatch_recv(dispatch_send(...))``: see Dispatched for the layout. Differentiable (see custom_vjp).
+        With ``beside``, ``(Dispatched, compute's result)``: see ``beside`` below.
 
         x: [n, H] cfg.dtype (bfloat16 with ``quantize``), any n from 1 to max_tokens: one MoEComm serves every batch
         size up to its maximum (padded to max_tokens inside; ``combine`` then returns [n, H]); topk_ids int32 [n, K]
@@ -617,18 +625,42 @@ class MoEComm:
         ...)`` (jax_moe_comm.quantize), bit for bit; NaN and infinities stay non-finite (see quantize_rows). The
         NVSHMEM kernels quantize each row as they send it, so no XLA op of its own runs. Gradients pass the
         quantization straight through to x (``grad_dtype`` as for fp8; the cotangent of the fp8 expert_x is fp8, as
-        JAX gives a cotangent its primal's dtype)."""
+        JAX gives a cotangent its primal's dtype).
+
+        beside: ``(compute, *args)``, e.g. a shared expert: ``compute(*args)`` runs between the round trip's halves
+        (as ``between`` places it) and the result is ``(Dispatched, compute(*args))``. Differentiable with the round
+        trip, custom_vjp included: compute's VJP runs between the halves of the backward round trip, so with a
+        ``send_stream`` it overlaps the send half forward and backward. compute must not call this MoEComm, and
+        differentiates only its args (JAX refuses a gradient through a value it closes over)."""
         self._check_program_mesh("dispatch")
         n, x, topk_ids, scales, num_tokens, topk_weights = self._prepare_dispatch(x, topk_ids, scales, num_tokens,
                                                                                   topk_weights, quantize)
-        if self.custom_vjp:
-            d = self._dispatch_vjp(x, topk_ids, scales, num_tokens, topk_weights)
+        args = (x, topk_ids, scales, num_tokens, topk_weights)
+        if beside is not None:
+            d, out = self._beside(beside, self._dispatch_beside_vjp, self._phases.dispatch_beside, *args)
+        elif self.custom_vjp:
+            d = self._dispatch_vjp(*args)
         else:
-            d = self._phases.dispatch(x, topk_ids, scales, num_tokens, topk_weights)
+            d = self._phases.dispatch(*args)
         d = self._with_row_fields(load.with_load(self._geo, d), topk_weights)
-        if n == self.cfg.max_tokens:
-            return d
-        return dataclasses.replace(d, handle=dataclasses.replace(d.handle, rows=n))
+        if n != self.cfg.max_tokens:
+            d = dataclasses.replace(d, handle=dataclasses.replace(d.handle, rows=n))
+        return d if beside is None else (d, out)
+
+    def _beside(self, beside, fused_vjp, phases_call, *operands):
+        """(a round trip in split halves with compute(*args) between them, its result): with custom_vjp its rules
+        (which differentiate args), else plain AD."""
+        if not (isinstance(beside, tuple) and beside and callable(beside[0])):
+            raise ValueError(f"beside must be a tuple (function, *args), the computation between the halves; got "
+                             f"{type(beside).__name__}")
+        compute, *args = beside
+        if self.custom_vjp:
+            try:  # a static argument of the jitted rule: one that cannot be hashed (a module) is hashed by identity
+                hash(compute)
+            except TypeError:
+                compute = functools.partial(compute)
+            return fused_vjp(compute, tuple(args), *operands)
+        return phases_call(lambda p: autodiff.between(p, compute, *args), *operands)
 
     def _with_row_fields(self, d: Dispatched, topk_weights: Array | None) -> Dispatched:
         """d with each row's local expert (``expert_ids``, -1 where no token) and, given the weights [max_tokens, K]
@@ -683,10 +715,7 @@ class MoEComm:
         after the receive. With ``send_stream`` set, work so placed runs beside the send's kernel. Two
         ``lax.optimization_barrier``s tie ``args`` to the send's result and the receive's operands to the compute's;
         no kernel of its own, the same results on every backend, differentiable through ``compute``."""
-        args, pending = jax.lax.optimization_barrier((args, pending))
-        out = compute(*args)
-        out, pending = jax.lax.optimization_barrier((out, pending))
-        return out, pending
+        return autodiff.between(pending, compute, *args)
 
     def _without_gradient(self, method: str, *arrays):
         """`arrays` as they are (None kept); with custom_vjp, each one's derivative raises a ValueError naming
@@ -699,10 +728,11 @@ class MoEComm:
         return tuple(None if a is None else refuse(a) for a in arrays)
 
     def combine(self, expert_y: Array, handle: CombineHandle, topk_weights: Array | None = None, *,
-                weighted: bool = True) -> Array:
+                weighted: bool = True, beside: tuple | None = None):
         """``combine_recv(combine_send(expert_y, handle), topk_weights)``: y [n, H] out_dtype for a dispatch of n
         tokens, y[i] = sum_k w[i,k] row(i,k). Differentiable (see custom_vjp). topk_weights: [n, K] of any float
-        dtype (cast to float32), unless dispatch got them (then None: the handle's are used).
+        dtype (cast to float32), unless dispatch got them (then None: the handle's are used). With ``beside``
+        (see ``dispatch``), ``(y, compute's result)``.
 
         weighted: True (default) weighs each slot's row as above; False sums the live slots' rows with weight 1 and
         takes no weights (the handle's are ignored): for routers that scale each row by its weight before the expert
@@ -722,11 +752,15 @@ class MoEComm:
         self._check_combine_weights(handle, topk_weights)
         rows = handle.rows or self.cfg.max_tokens
         handle, topk_weights = self._full_rows(handle, topk_weights)
-        if self.custom_vjp:
+        if beside is not None:
+            y, out = self._beside(beside, self._combine_beside_vjp, self._phases.combine_beside, expert_y, handle,
+                                  topk_weights)
+        elif self.custom_vjp:
             y = self._combine_vjp(expert_y, handle, topk_weights)
         else:
             y = self._phases.combine(expert_y, handle, topk_weights)
-        return y if rows == self.cfg.max_tokens else y[:rows]
+        y = y if rows == self.cfg.max_tokens else y[:rows]
+        return y if beside is None else (y, out)
 
     def _full_rows(self, handle: CombineHandle, topk_weights):
         """(the handle as the backends take it, without rows; the weights float32, padded to max_tokens rows)."""

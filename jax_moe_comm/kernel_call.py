@@ -91,7 +91,11 @@ def kernel_call(target: str, results: Any, *args, _passthrough: bool = False, **
 
 def varying_axes(a) -> frozenset:
     """The manual mesh axes over which a per-shard value varies (shard_map's type; empty outside one)."""
-    aval = jax.typeof(a)
+    return aval_varying_axes(jax.typeof(a))
+
+
+def aval_varying_axes(aval) -> frozenset:
+    """varying_axes of a value of type `aval`."""
     manual = getattr(aval, "manual_axis_type", None)
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 

@@ -90,8 +90,9 @@ def _scatter_rows(shape_rows: tuple, index: tuple, rows: Array, fill) -> Array:
 
 
 def dispatch_send(geo: Geometry, x: Array, topk_ids: Array, scales: Array | None, num_tokens: Array,
-                  topk_weights: Array | None = None) -> PendingDispatch:
-    """Counts rows per destination rank and packs them into per-peer staging slots, then transfers.
+                  topk_weights: Array | None = None, after: Array | None = None) -> PendingDispatch:
+    """Counts rows per destination rank and packs them into per-peer staging slots, then transfers. `after` orders
+    the NVSHMEM backend's call (see dispatch).
 
     Ordering inside a destination's staging is by (token, slot), so the receiver's layout is deterministic.
     Replica j of a DP group sends tokens i with i % dp_size == j. topk_weights, if given, go into the handle. A bf16

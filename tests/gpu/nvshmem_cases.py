@@ -325,11 +325,11 @@ def send_stream(case, mode: str):
 
 
 def case_send_stream_layers(mesh, seed, mode: str, layers: int = 3):
-    """Split halves with a shared expert between them (comm.between), in a lax.scan over checkpointed layers in one
-    jit: the forward and the gradient (x and the shared experts' weights, through the shared experts; the halves'
-    inputs stop_gradient'ed, split halves having no gradient of their own, so the backward recomputes every round
-    trip) with send_stream=mode equal those with send_stream=None bit for bit, twice each, and the reference
-    backend's."""
+    """Round trips with a shared expert beside the dispatch and beside the combine (``beside=``: between their
+    split halves, and its VJP between the backward round trip's), in a lax.scan over checkpointed layers in one
+    jit: the loss and its gradient (x, the weights, the shared experts' matrices; every round trip differentiated)
+    with send_stream=mode equal those with send_stream=None bit for bit, twice each, and the reference backend's
+    (plain AD)."""
     world = mesh.shape["ep"]
     T, H, E, K = 32, 128, 16, 4
     cfg = jmc.MoECommConfig(E, K, H, T, dtype=jnp.float32, out_dtype=jnp.float32)
@@ -352,13 +352,11 @@ def case_send_stream_layers(mesh, seed, mode: str, layers: int = 3):
                 # Full float32 products: with TF32 (XLA:GPU's default) the backends' last-bit differences grow
                 # through three layers' gradients to ~5e-4.
                 dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
-                p = comm.dispatch_send(jax.lax.stop_gradient(h), ids_l)
-                # Between the halves (comm.between): beside the send with a send_stream.
-                shared, p = comm.between(p, lambda h, m: jnp.tanh(dot(h, m)), h, m)
-                d = comm.dispatch_recv(p)
-                q = comm.combine_send(d.expert_x * 0.9 + 0.1, d.handle, jax.lax.stop_gradient(w_l))
-                shared, q = comm.between(q, lambda s, m: jnp.tanh(dot(s, m)), shared, m)
-                return comm.combine_recv(q) + shared, None
+                # Beside the send halves with a send_stream, forward and backward.
+                d, shared = comm.dispatch(h, ids_l, beside=(lambda h, m: jnp.tanh(dot(h, m)), h, m))
+                y, shared = comm.combine(jnp.sin(d.expert_x) * 0.9 + 0.1, d.handle, w_l,
+                                         beside=(lambda s, m: jnp.tanh(dot(s, m)), shared, m))
+                return y + shared, None
             return jax.lax.scan(jax.checkpoint(layer), x, (ids, w, mats))[0]
 
         def loss(x, ids, w, mats, model=model):  # this rank's: no collective in the gradient
@@ -366,8 +364,8 @@ def case_send_stream_layers(mesh, seed, mode: str, layers: int = 3):
             return (y * y).sum(), y
 
         def per_shard(x, ids, w, mats, loss=loss):
-            (value, y), (dx, dmats) = jax.value_and_grad(loss, argnums=(0, 3), has_aux=True)(x, ids, w, mats[0])
-            return value[None], y, dx, dmats[None]
+            (value, y), (dx, dw, dmats) = jax.value_and_grad(loss, argnums=(0, 2, 3), has_aux=True)(x, ids, w, mats[0])
+            return value[None], y, dx, dw, dmats[None]
 
         f = jax.jit(jax.shard_map(per_shard, mesh=comm.mesh, in_specs=(P("ep"), P(None, "ep"), P(None, "ep"),
                                                                        P("ep")), out_specs=P("ep")))

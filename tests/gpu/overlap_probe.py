@@ -1,13 +1,16 @@
 """Does a send half run beside the compute placed between the split halves? One GPU, world 1, for each
 MoEComm(send_stream=...): None (XLA's stream), "own" (the library's stream) and "xla_async" (XLA's stream annotation).
 
-    python tests/gpu/overlap_probe.py [--tokens 4096] [--max-sms 24] [--steps 6] [--out DIR]
+    python tests/gpu/overlap_probe.py [--tokens 4096] [--max-sms 24] [--steps 6] [--backward --at combine] [--out DIR]
     bash tests/gpu/run.sh with OVERLAP_PROBE="args" (see its header)
 
 Each mode times, per step of an unrolled chain (the n-step chain minus the 1-step one, over n - 1; best of 5):
 rt_us, a round trip in split halves (R1's hidden size and experts, bf16 rows); gemm_us, a shared expert (two GEMMs,
 R1's width 2048) alone; both_us, the round trip with the shared expert between dispatch_send and dispatch_recv.
 hidden_us = rt_us + gemm_us - both_us: what ran concurrently (about 0 where XLA ran the halves in program order).
+--backward: each time is that of the chain's gradient (forward and backward), the shared expert placed by
+``beside=`` beside the dispatch or the combine (--at; rt_us: beside=a trivial compute, the same split halves), so
+its VJP runs between the backward round trip's halves.
 Then a profiler trace of the overlapped chain: the GPU time during which a send kernel of ours and a GEMM kernel ran
 at once (overlap_us), and the streams each ran on. The optimized HLO of each mode's overlapped chain goes to DIR.
 
@@ -38,6 +41,8 @@ def parse(argv=None):
     p.add_argument("--modes", default="none,own,xla_async")
     p.add_argument("--flag", choices=("true", "false"), default="true", help=f"{FLAG}'s value in this process")
     p.add_argument("--no-child", action="store_true", help="no second process with the flag false")
+    p.add_argument("--backward", action="store_true", help="time the gradient of each chain (see above)")
+    p.add_argument("--at", choices=("dispatch", "combine"), default="combine", help="with --backward: beside which")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/overlap_probe"))
     return p.parse_args(argv)
 
@@ -74,7 +79,32 @@ def main(argv=None) -> int:
     def shared(h, w1, w2):
         return (jax.nn.silu(h @ w1) @ w2).astype(h.dtype)
 
+    def backward_chain(comm, n, part):
+        """The gradient (w.r.t. h and the shared expert) of n steps, the shared expert beside the dispatch or the
+        combine (part "both"), or a trivial compute beside it (part "rt"), or the shared expert alone ("gemm")."""
+        def body(h, ids, w, w1, w2):
+            def loss(h, w1, w2):
+                for _ in range(n):
+                    if part == "gemm":
+                        h = h + shared(h, w1, w2) * 1e-3
+                        continue
+                    beside = (shared, h, w1, w2) if part == "both" else (jnp.negative, jnp.zeros((1,), jnp.float32))
+                    if args.at == "dispatch":
+                        d, s = comm.dispatch(h, ids, beside=beside)
+                        y = comm.combine(d.expert_x, d.handle, w)
+                    else:
+                        d = comm.dispatch(h, ids)
+                        y, s = comm.combine(d.expert_x, d.handle, w, beside=beside)
+                    h = y + (s * 1e-3 if part == "both" else s[0].astype(y.dtype))
+                return jnp.sum(h.astype(jnp.float32))
+            dh, dw1, dw2 = jax.grad(loss, argnums=(0, 1, 2))(h, w1, w2)
+            return dh + (dw1[0, 0] + dw2[0, 0]).astype(dh.dtype)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, P(), P()), out_specs=rows))
+
     def chain(comm, n, part):
+        if args.backward:
+            return backward_chain(comm, n, part)
+
         def body(h, ids, w, w1, w2):
             for _ in range(n):
                 if part == "gemm":
@@ -133,8 +163,10 @@ def main(argv=None) -> int:
         finally:
             comm.close()
         print(f"[flag {args.flag}] {label}: {json.dumps(report[label])}", flush=True)
-    with open(os.path.join(args.out, f"overlap_probe_flag_{args.flag}.json"), "w") as f:
-        json.dump(dict(tokens=T, max_sms=args.max_sms, ffn=args.ffn, flag=args.flag, modes=report), f, indent=1)
+    kind = f"_backward_{args.at}" if args.backward else ""
+    with open(os.path.join(args.out, f"overlap_probe{kind}_flag_{args.flag}.json"), "w") as f:
+        json.dump(dict(tokens=T, max_sms=args.max_sms, ffn=args.ffn, flag=args.flag, modes=report,
+                       backward_at=args.at if args.backward else None), f, indent=1)
     for label, r in report.items():
         if "error" not in r:
             verdict = "concurrent" if r["hidden_share"] > 0.25 or r.get("overlap_us", 0) > 0.25 * r["rt_us"] \
