@@ -61,6 +61,17 @@ def make_mesh():
     return ep_mesh
 
 
+# Compiled programs ------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True, scope="module")
+def drop_compiled_programs_after_each_module():
+    """Each XLA:CPU executable holds a few memory mappings while it is cached, and the test modules cache their jitted
+    functions. The whole suite in one process would hold thousands of executables and reach the kernel's mapping
+    limit (vm.max_map_count, 65,530 by default), where XLA:CPU's compiler dies with a segmentation fault. So the
+    caches are cleared once a module ends: a module's programs are compiled again only if another module runs them."""
+    yield
+    jax.clear_caches()
+
+
 # Seeds ------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def seed(request) -> int:
