@@ -7,11 +7,11 @@
 One layer, per rank of an EP group (``world`` ranks, each holding ``L = E / world`` experts):
 
     x [T, H] ──route──────────> topk_ids int32 [T, K], topk_weights f32 [T, K]   softmax top-k (fp32)
-      ──comm.dispatch_send───> rows in flight
-      ──shared expert────────> s [T, H]                 (optional; independent work while the rows travel)
-      ──comm.dispatch_recv───> expert_x [capacity, H]   rows grouped by local expert, group_sizes [L]
+      ──comm.dispatch────────> expert_x [capacity, H]   rows grouped by local expert, group_sizes [L]
       ──SwiGLU experts───────> expert_y [capacity, H]   jax.lax.ragged_dot with this rank's L experts
       ──comm.combine─────────> y [T, H] = sum_k w[t, k] expert_y[row(t, k)]  (+ s)
+      ──shared expert────────> s [T, H]   (optional; with MoEComm(send_stream=...) beside the combine's halves,
+                                           comm.combine(..., beside=...), its backward beside the backward's)
 
 The params pytree (a dict; global shapes, E experts, H hidden, F expert width, Fs shared-expert width):
 
@@ -224,21 +224,17 @@ def moe_layer_shard(comm: MoEComm, params_shard: dict, x: Array, num_tokens: Arr
 
     topk_ids, topk_weights = route(x, params_shard["router"], c.experts_per_token)
     xc = x.astype(c.dtype)  # the payload dtype must be cfg.dtype
-    if comm.custom_vjp:
-        # Gradients come from the fused call's custom VJP (the split halves have none).
-        shared = shared_expert(xc, params_shard["shared"]) if "shared" in params_shard else None
-        d = comm.dispatch(xc, topk_ids, num_tokens=num_tokens)
-    else:
-        pending = comm.dispatch_send(xc, topk_ids, num_tokens=num_tokens)
-        shared = None
-        if "shared" in params_shard:  # independent of the rows in flight: between the halves, beside the transfer
-            shared, pending = comm.between(pending, shared_expert, xc, params_shard["shared"])
-        d = comm.dispatch_recv(pending)
+    d = comm.dispatch(xc, topk_ids, num_tokens=num_tokens)
     expert_y = swiglu_experts(d.expert_x, d.group_sizes, params_shard["gate"], params_shard["up"],
-                              params_shard["down"])
-    y = comm.combine(expert_y.astype(c.out_dtype), d.handle, topk_weights)  # no wider than out_dtype
-    if shared is None:
-        return y
+                              params_shard["down"]).astype(c.out_dtype)  # no wider than out_dtype
+    if "shared" not in params_shard:
+        return comm.combine(expert_y, d.handle, topk_weights)
+    if comm.options.send_stream is not None:
+        # Independent of the rows in flight: beside the combine's send (the longer half at world 1), forward and
+        # backward. Without a send stream the split halves would only cost the fused call's speed.
+        y, shared = comm.combine(expert_y, d.handle, topk_weights, beside=(shared_expert, xc, params_shard["shared"]))
+    else:
+        y, shared = comm.combine(expert_y, d.handle, topk_weights), shared_expert(xc, params_shard["shared"])
     if num_tokens is not None:  # combine zeroes rows >= num_tokens; do the same for the shared expert
         live = jnp.arange(c.max_tokens) < jnp.asarray(num_tokens).astype(jnp.int32)
         shared = jnp.where(live[:, None], shared, 0.0)

@@ -41,9 +41,9 @@ def dense_moe(params: dict, x: jax.Array, k: int) -> jax.Array:
 
 
 @functools.cache
-def make_comm(dtype=jnp.float32) -> MoEComm:
+def make_comm(dtype=jnp.float32, **options) -> MoEComm:
     cfg = MoECommConfig(E, K, H, T, dtype=dtype, out_dtype=dtype)
-    return MoEComm(cfg, ep_mesh(WORLD), backend="reference")
+    return MoEComm(cfg, ep_mesh(WORLD), backend="reference", **options)
 
 
 def make_inputs(rng: np.random.Generator, shared: bool) -> tuple[dict, jax.Array, jax.Array]:
@@ -55,9 +55,9 @@ def make_inputs(rng: np.random.Generator, shared: bool) -> tuple[dict, jax.Array
 
 
 @functools.cache
-def layer_fn(view: str, shared: bool):
+def layer_fn(view: str, shared: bool, **options):
     """jit(value_and_grad) of <y, cotangent> w.r.t. (params, x), plus y, for one view of the layer."""
-    comm = make_comm()
+    comm = make_comm(**options)
     if view == "global":
         def apply(params, x):
             return moe_layer(comm, params, x)
@@ -90,12 +90,19 @@ def assert_close(actual, expected, what: str, rtol: float = 1e-5) -> None:
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
 
 
+# With a send_stream the shared expert goes beside the combine (comm.combine(..., beside=...)): differentiated by the
+# custom VJP rules (the NVSHMEM backend's default) or by plain AD.
+BESIDE = {"fused": {}, "beside_custom_vjp": dict(send_stream="own", custom_vjp=True),
+          "beside_plain_ad": dict(send_stream="own", custom_vjp=False)}
+
+
+@pytest.mark.parametrize("options", BESIDE)
 @pytest.mark.parametrize("shared", [False, True], ids=["no_shared", "shared"])
 @pytest.mark.parametrize("view", ["shard", "global"])
-def test_layer_and_grads_match_dense(rng, view: str, shared: bool) -> None:
+def test_layer_and_grads_match_dense(rng, view: str, shared: bool, options: str) -> None:
     params, x, cotangent = make_inputs(rng, shared)
     comm = make_comm()
-    (value, y), (dparams, dx) = layer_fn(view, shared)(shard_params(comm, params), x, cotangent)
+    (value, y), (dparams, dx) = layer_fn(view, shared, **BESIDE[options])(shard_params(comm, params), x, cotangent)
     (value_ref, y_ref), (dparams_ref, dx_ref) = dense_fn()(params, x, cotangent)
 
     assert y.dtype == jnp.float32 and y.shape == (WORLD * T, H)
