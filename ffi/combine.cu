@@ -11,8 +11,6 @@
 namespace jmc {
 namespace {
 
-constexpr int kWideThreads = 2 * kThreads;  // the pre-reduced kernel's blocks under an SM budget (launch_combine)
-
 // The send did not run (refused, or out of protocol order: the send status says so): neither does the receive, whose
 // end still ends the round trip (finish_phase), and y is NaN.
 template <typename Out>

@@ -34,8 +34,17 @@ cudaError_t launch_combine_recv(const Context& ctx, const CombineRecvArgs& a, cu
   CombineRecvArgs args = a;
   void* params[] = {&c, &args};
   const bool staged_partials = a.reduced && !ctx.p2p;
-  return cudaLaunchKernel(kernel_for(a.in_dtype, a.out_dtype, staged_partials),
-                          within_budget(ctx.s, combine_recv_blocks(ctx.s)), kThreads, params,
+  void* kernel = kernel_for(a.in_dtype, a.out_dtype, staged_partials);
+  const int wanted = combine_recv_blocks(ctx.s);
+  const int blocks = within_budget(ctx.s, wanted);
+  int threads = kThreads;
+  if (ctx.p2p && blocks < wanted) {  // an SM budget that binds: kWideThreads blocks where one fits an SM
+    int per_sm = 0;
+    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWideThreads, 0);
+    if (err != cudaSuccess) return err;
+    if (per_sm >= 1) threads = kWideThreads;
+  }
+  return cudaLaunchKernel(kernel, blocks, threads, params,
                           staged_partials ? sizeof(int) * ctx.s.dp_size * ctx.s.world : 0, stream);
 }
 

@@ -6,11 +6,12 @@ namespace {
 
 __global__ void combine_send_kernel(Context ctx, CombineSendArgs a) { combine_send_rows(ctx, a, true); }
 
-// Two blocks per SM (at most 128 registers): the pre-reduction waits on loads, so it wants warps to switch to.
-template <typename In, typename Partial>
-__global__ void __launch_bounds__(kThreads, 2)
+// At most 128 registers (two blocks per SM, or one of kWideThreads under an SM budget): the pre-reduction waits on
+// loads, so it wants warps to switch to. Wide: the kernel of kWideThreads blocks, whose warps take whole rows.
+template <typename In, typename Partial, bool Wide = false>
+__global__ void __launch_bounds__(kWideThreads, 1)
     combine_send_reduced_kernel(Context ctx, CombineSendArgs a) {
-  combine_send_reduced<In, Partial>(ctx, a, true);
+  combine_send_reduced<In, Partial, Wide>(ctx, a, true);
 }
 
 // The staged path's (Context::p2p false), as the other.
@@ -20,14 +21,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   combine_send_reduced_staged<In, Partial>(ctx, a);
 }
 
-// The pre-reduced kernel's instantiation for (expert_y dtype, partial row dtype), of the NVLink or the staged path.
-void* reduced_kernel_for(int in_dtype, int partial_dtype, bool p2p) {
+// The pre-reduced kernel's instantiation for (expert_y dtype, partial row dtype), of the NVLink or the staged path;
+// wide: the NVLink path's for kWideThreads blocks.
+void* reduced_kernel_for(int in_dtype, int partial_dtype, bool p2p, bool wide = false) {
   return with_row_type(in_dtype, [&](auto in) {
     return with_row_type(partial_dtype, [&](auto partial) {
       using In = decltype(in);
       using Partial = decltype(partial);
-      return p2p ? reinterpret_cast<void*>(combine_send_reduced_kernel<In, Partial>)
-                 : reinterpret_cast<void*>(combine_send_reduced_staged_kernel<In, Partial>);
+      if (!p2p) return reinterpret_cast<void*>(combine_send_reduced_staged_kernel<In, Partial>);
+      return wide ? reinterpret_cast<void*>(combine_send_reduced_kernel<In, Partial, true>)
+                  : reinterpret_cast<void*>(combine_send_reduced_kernel<In, Partial>);
     });
   });
 }
@@ -41,9 +44,16 @@ cudaError_t launch_combine_send(const Context& ctx, const CombineSendArgs& a, cu
     CombineSendArgs args = a;
     void* params[] = {&c, &args};
     if (!ctx.p2p && ctx.s.world > kMaxNvlinkPeers) return cudaErrorNotSupported;  // PartialRuns' bound
-    return cudaLaunchCooperativeKernel(reduced_kernel_for(a.in_dtype, a.partial_dtype, ctx.p2p),
-                                       within_budget(ctx.s, combine_send_blocks(ctx.s, true)), kThreads, params,
-                                       0, stream);
+    void* kernel = reduced_kernel_for(a.in_dtype, a.partial_dtype, ctx.p2p);
+    int per_sm = 0;
+    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+    if (err != cudaSuccess) return err;
+    const int wanted = combine_send_blocks(ctx.s, true);
+    const int blocks = within_budget(ctx.s, wanted);
+    // Under an SM budget that binds, blocks twice as wide where two fit an SM, as the fused combine's (combine.cu).
+    const bool wide = ctx.p2p && blocks < wanted && per_sm >= 2;
+    if (wide) kernel = reduced_kernel_for(a.in_dtype, a.partial_dtype, true, true);
+    return cudaLaunchCooperativeKernel(kernel, blocks, wide ? kWideThreads : kThreads, params, 0, stream);
   }
   combine_send_kernel<<<within_budget(ctx.s, combine_send_blocks(ctx.s, false)), kThreads, 0, stream>>>(ctx, a);
   return cudaGetLastError();

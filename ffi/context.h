@@ -74,8 +74,10 @@ enum RowType : int { kBf16 = 0, kF16 = 1, kF32 = 2 };
 
 constexpr int kMaxNvlinkPeers = 72;  // ranks whose peer offsets a Context holds (an NVLink domain); more: staged
 constexpr int kMaxExpertsPerToken = 32;  // jax_moe_comm/nvshmem_backend.py MAX_EXPERTS_PER_TOKEN
-constexpr int kThreads = 256;  // threads per block (8 warps); the fused pre-reduced combine's are twice as
-                                // wide under an SM budget (combine.cu)
+constexpr int kThreads = 256;  // threads per block (8 warps)
+// The pre-reduced combine's blocks under an SM budget that binds (kernels fused or split): as many warps per SM as
+// without the budget, on no more SMs.
+constexpr int kWideThreads = 2 * kThreads;
 constexpr int kMaxBlocksPerSm = 2048 / kThreads;  // resident blocks of kThreads an SM can hold
 
 // The local words of a MoEComm (device memory, never addressed by peers), in one struct at the end of the
