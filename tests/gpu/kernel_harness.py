@@ -917,6 +917,10 @@ def main() -> int:
             print(f"SKIP {name}: a windowed round trip runs on NVLink peers only (not with --staged or "
                   "--ranks-per-node)", flush=True)
             continue
+        dp_size = CASES[name][0].dp_size if name in CASES else 1
+        if world % dp_size:
+            print(f"SKIP {name}: dp_size {dp_size} needs a world it divides (world {world})", flush=True)
+            continue
         if name.startswith("traffic") and not _native.ext.measurement_build():
             print(f"SKIP {name}: the measurement build only (JAX_MOE_COMM_MEASUREMENT=ON)", flush=True)
             continue
