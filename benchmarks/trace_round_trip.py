@@ -2,7 +2,7 @@
 GPU activity per kernel name and the device timeline of one chain call (rank 0; every rank with --all-ranks).
 
     python -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py --tokens 128 [--check] [--chain 4]
-        [--option prereduce_min_tokens=1] [--all-ranks] [--backward]
+        [--option prereduce_min_tokens=1] [--all-ranks] [--backward] [--overlap [FFN] --overlap-at combine]
 
 Needs CUPTI (shipped with jax's CUDA plugin); without it the trace holds host events only and this says so.
 """
@@ -23,8 +23,8 @@ from jax.sharding import Mesh
 
 from jax_moe_comm import bench
 from jax_moe_comm._cli import prepare_process
-from jax_moe_comm.bench.chains import backward_chain
-from jax_moe_comm.bench.cli import OPTION_NAMES, parse_option
+from jax_moe_comm.bench.chains import backward_chain, overlapped_chain
+from jax_moe_comm.bench.cli import OPTION_NAMES, OVERLAP_AT, SHARED_EXPERT_FFN, parse_option
 from jax_moe_comm.launch import initialize_distributed
 
 
@@ -72,7 +72,14 @@ def main() -> int:
                    help=f"a MoEComm option, repeatable; NAME of {', '.join(OPTION_NAMES)}")
     p.add_argument("--backward", action="store_true",
                    help="the bench's --backward chain: each round trip and its gradient w.r.t. the top-k weights")
+    p.add_argument("--overlap", type=int, nargs="?", const=SHARED_EXPERT_FFN, default=None, metavar="FFN",
+                   help="the bench's --overlap chain: a shared expert of width FFN between split halves")
+    p.add_argument("--overlap-at", choices=OVERLAP_AT, default=OVERLAP_AT[0],
+                   help="with --overlap: the halves the shared expert goes between")
+    p.add_argument("--timeline", type=int, default=30, help="device events of the timeline printed (the last ones)")
     args = p.parse_args()
+    if args.overlap is not None and args.backward:
+        p.error("--overlap traces forward round trips (not --backward)")
     options = dict(args.options)
     initialize_distributed()
     mesh = Mesh(np.array(jax.devices()), (bench.AXIS,))
@@ -88,8 +95,11 @@ def main() -> int:
     dev = tuple(bench.to_global(a, mesh) for a in (x, scales, ids, w))
     impl = bench.make_impl(args.backend, cfg, args.tokens, mesh, check_errors=args.check, options=options,
                            backward=args.backward)
-    chain = backward_chain if args.backward else bench.round_trip_chain
-    fn = bench.lower_chain(chain(impl, cfg, args.chain), mesh, dev).compile()
+    if args.overlap is not None:
+        body = overlapped_chain(impl, cfg, args.chain, args.overlap, args.overlap_at)
+    else:
+        body = (backward_chain if args.backward else bench.round_trip_chain)(impl, cfg, args.chain)
+    fn = bench.lower_chain(body, mesh, dev).compile()
     for _ in range(3):
         jax.block_until_ready(fn(*dev))
     with tempfile.TemporaryDirectory() as log_dir:
@@ -101,7 +111,8 @@ def main() -> int:
     if jax.process_index() != 0 and not args.all_ranks:
         return 0
     gpu = device_events(events)
-    print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain}{' backward' if args.backward else ''} "
+    shape = " backward" if args.backward else f" overlap {args.overlap} at {args.overlap_at}" if args.overlap else ""
+    print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain}{shape} "
           f"check={args.check} options={options}: "
           f"{len(events)} trace events, {len(gpu)} on GPU tracks")
     if not gpu:
@@ -114,15 +125,16 @@ def main() -> int:
         gpu_ids = {id(e) for e in gpu}
         print_by_name("host event", [e for e in events if e.get("ph") == "X" and "dur" in e and id(e) not in gpu_ids],
                       30)
-    # The last chain call: device events in start order, with the gap before each.
+    # The last chain call: device events in start order, with the gap before each and the stream (track) of each.
     gpu.sort(key=lambda e: e["ts"])
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
     print(f"device span of 3 calls: {span:.1f} us")
-    tail = gpu[-min(len(gpu), 30):]
+    tail = gpu[-min(len(gpu), args.timeline):]
     prev_end = tail[0]["ts"]
     for e in tail:
         start, gap = e["ts"] - tail[0]["ts"], e["ts"] - prev_end
-        print(f"  +{start:9.1f}  gap {gap:8.1f}  dur {e['dur']:8.1f}  {e['name'][:60]}")
+        track = str(e.get("tid", ""))[-6:]
+        print(f"  +{start:9.1f}  gap {gap:8.1f}  dur {e['dur']:8.1f}  {track:>6s}  {e['name'][:60]}")
         prev_end = max(prev_end, e["ts"] + e["dur"])
     return 0
 
