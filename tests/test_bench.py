@@ -382,6 +382,30 @@ def test_the_overlap_mode_times_every_send_stream_unless_told():
     assert "nvshmem/own" in text
 
 
+@pytest.mark.parametrize("config", ["r1", "v2lite"])
+def test_a_later_steps_expert_output_is_the_first_steps_and_differentiates_as_the_stand_in(config):
+    """The backward chain's later steps reuse the first step's expert_y (one buffer, no copy per step) and send
+    back the rows' whole cotangent, the expert stand-in's: what a layer's expert backward gives the dispatch."""
+    from jax_moe_comm.bench.chains import _expert_again
+
+    cfg = bench.QUICK_CONFIGS[config]
+    rng = bench.seeded(3)
+    x, scales = bench.make_tokens(rng, cfg, 16)
+    first = bench.expert_stand_in(cfg, jnp.asarray(x), None if scales is None else jnp.asarray(scales))
+    rows, row_scales = bench.make_tokens(rng, cfg, 16)
+    rows = jnp.asarray(rows)
+    row_scales = None if row_scales is None else jnp.asarray(row_scales)
+    ct = jnp.asarray(rng.standard_normal(first.shape), first.dtype)
+    again = _expert_again(cfg)
+    y, vjp = jax.vjp(lambda r: again(first, r, row_scales), rows)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(first))
+    _, stand_in_vjp = jax.vjp(lambda r: bench.expert_stand_in(cfg, r, row_scales), rows)
+    got, want = vjp(ct)[0], stand_in_vjp(ct)[0]
+    assert got.dtype == rows.dtype
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    assert np.count_nonzero(np.asarray(got.astype(jnp.float32))) > got.size // 2  # every row, not one
+
+
 def test_the_overlap_mode_refuses_the_backward_mode():
     with pytest.raises(SystemExit):
         bench.parse_args(["--overlap", "--backward"])

@@ -43,18 +43,45 @@ def _set_leading_rows(a: Array, rows: Array) -> Array:
     return jax.lax.dynamic_update_slice_in_dim(a, rows, 0, axis=0)
 
 
+def _expert_again(cfg: BenchConfig) -> Callable:
+    """(expert_y, rows, scales) -> expert_y, differentiated as expert_stand_in(cfg, rows, scales): a later step's
+    expert output under grad. Its value is the first step's (no pass over the rows, and one buffer that every
+    combine keeps as its residual, where an updated copy per step would be copied whole); its rows' cotangent is the
+    stand-in's, over every row, as a layer's expert backward gives it (reading the whole weighted expert_dy)."""
+
+    @jax.custom_vjp
+    def again(expert_y, rows, scales):
+        return expert_y
+
+    def forward(expert_y, rows, scales):
+        return expert_y, (jnp.zeros((0,), rows.dtype), scales)
+
+    def backward(residuals, ct):
+        rows_dtype, scales = residuals[0].dtype, residuals[1]
+        d = 2.0 * ct.astype(jnp.float32)
+        if scales is not None:
+            n = d.shape[0]
+            d = (d.reshape(n, cfg.scale_cols, cfg.scale_block) * scales[:, :, None]).reshape(n, cfg.hidden)
+        return None, d.astype(rows_dtype), None
+
+    again.defvjp(forward, backward)
+    return again
+
+
 def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int, shared_ffn: int | None = None,
-                     shared_at: str = "dispatch") -> Callable:
+                     shared_at: str = "dispatch", differentiated: bool = False) -> Callable:
     """n round trips, each tied to the last by data (never by an optimization barrier alone: XLA may drop a
     barrier before it merges identical collectives, and the chain then runs as one round trip). Only the first runs
     the expert stand-in (its result is the one checked); later ones combine that same expert_y with one row replaced
-    from their own dispatch's rows and scales (an in-place one-row update, not a pass over the receive buffer). The
+    from their own dispatch's rows and scales (an in-place one-row update, not a pass over the receive buffer), or,
+    `differentiated` (backward_chain's), with _expert_again's value (the same buffer, no copy) and gradient. The
     next dispatch takes x + EPS * y (every element of y read, as a residual add reads it) and scales updated from
     y likewise, so no two collectives of the chain have the same inputs. shared_ffn, shared_at: overlapped_chain's."""
+    again = _expert_again(cfg) if differentiated else None
 
     def body(x, scales, ids, w):
         weights = None if shared_ffn is None else shared_expert_weights(cfg, shared_ffn)
-        y = expert_y = shared = None
+        y = expert_y = first_y = shared = None
 
         def placed(pending):  # the shared expert between a send half and its receive
             return impl.between(pending, lambda h, sw: shared_expert(h.astype(jnp.bfloat16), sw), x, weights)
@@ -67,7 +94,9 @@ def round_trip_chain(impl: Impl, cfg: BenchConfig, n: int, shared_ffn: int | Non
             else:
                 rows, row_scales, aux = impl.dispatch(x, scales, ids, w)
             if expert_y is None:
-                expert_y = expert_stand_in(cfg, rows, row_scales)
+                expert_y = first_y = expert_stand_in(cfg, rows, row_scales)
+            elif again is not None:  # combine takes this dispatch's handle: it starts after this dispatch
+                expert_y = again(first_y, rows, row_scales)
             else:  # combine starts after this dispatch has delivered its rows (and their scales)
                 extra = 0.0 if row_scales is None else row_scales[:1, :1]
                 expert_y = _set_leading_rows(expert_y, _step(expert_y[:1], rows[:1], extra))
@@ -89,8 +118,9 @@ def backward_chain(impl: Impl, cfg: BenchConfig, n: int) -> Callable:
     """round_trip_chain's n round trips and their backward (jax.grad, with respect to the top-k weights): every
     round trip of the chain then has a backward round trip too (dy dispatched, the row gradients combined home; the
     first step's x depends on no weight, so its backward combine is one of zero rows). Returns (the chain's x, the
-    weights' gradient), the latter the result the check compares."""
-    forward = round_trip_chain(impl, cfg, n)
+    weights' gradient), the latter the result the check compares. Each step's expert output is _expert_again's: no
+    copy of expert_y per step, and the rows' cotangent whole, so a step's backward is what a layer's costs."""
+    forward = round_trip_chain(impl, cfg, n, differentiated=True)
 
     def body(x, scales, ids, w):
         loss = lambda w: jnp.sum(forward(x, scales, ids, w)[0].astype(jnp.float32))  # noqa: E731
