@@ -5,11 +5,11 @@ namespace jmc {
 namespace {
 
 // StagedPartials: the staged path's pre-reduced rows (Context::p2p false, a.reduced); dynamic shared memory:
-// sum_staged_partial_rows'.
+// sum_staged_partial_rows'. The NVLink path's partial rows are prefetched: what ran between the halves took L2.
 template <typename In, typename Out, bool StagedPartials>
 __global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   if (begin_phase(ctx, kCombineRecv, a.status))
-    receive_combined<In, Out, StagedPartials>(ctx, a);
+    receive_combined<In, Out, StagedPartials, true>(ctx, a);
   else
     fill_nan<Out>(ctx, a.out, true);  // refused: no result
 }

@@ -27,6 +27,27 @@ __device__ inline int partial_rows(const Sizes& s, const int32_t* ids) {
   return n;
 }
 
+// A walk over (token, kChunk columns) items `stride` apart from `first`, its place kept by additions: a 64-bit
+// division per item cost sum_partial_rows more issue slots than the item's own loads.
+struct ChunkWalk {
+  int token, chunk;  // the current item: its token (from the walk's first token) and chunk of the row
+  int step_tokens, step_chunks, chunks_per_row;
+  __device__ ChunkWalk(long long first, long long stride, int chunks_per_row)
+      : token(static_cast<int>(first / chunks_per_row)),
+        chunk(static_cast<int>(first % chunks_per_row)),
+        step_tokens(static_cast<int>(stride / chunks_per_row)),
+        step_chunks(static_cast<int>(stride % chunks_per_row)),
+        chunks_per_row(chunks_per_row) {}
+  __device__ void next() {
+    token += step_tokens;
+    chunk += step_chunks;
+    if (chunk >= chunks_per_row) {
+      chunk -= chunks_per_row;
+      ++token;
+    }
+  }
+};
+
 // Pre-reduced rows, summed into out (partial rows of type In) in place order (their ranks ascending). A warp takes a
 // contiguous range of (token, kChunk columns) items, lanes interleaved (coalesced), kPartialSteps steps' loads in
 // flight per lane. A lane's steps stay within one token for many steps (28 at R1), so the token's ids row is read
@@ -34,8 +55,10 @@ __device__ inline int partial_rows(const Sizes& s, const int32_t* ids) {
 // first-touch load, at every step, before the partial rows' loads).
 // Tokens [first_token, first_token + tokens) (all, or a round of the windowed combine, whose partial rows sit at
 // their places in the round's window: token t at t - first_token).
+// Prefetch: ask L2 for each next token's partial rows (where other work ran between the send and this receive, they
+// are no longer there).
 constexpr int kPartialSteps = 4;
-template <typename In, typename Out>
+template <typename In, typename Out, bool Prefetch = false>
 __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens, bool vector,
                                         int first_token, int tokens) {
   const Sizes& s = ctx.s;
@@ -45,20 +68,37 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
   const long long gwarp = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / 32;
   const long long nwarps = static_cast<long long>(gridDim.x) * blockDim.x / 32;
   const long long per_warp = ((items + nwarps - 1) / nwarps + 31) / 32 * 32;
-  const long long end = min(items, (gwarp + 1) * per_warp);
+  const long long first_item = gwarp * per_warp, end = min(items, first_item + per_warp);
   int rows_of = -1, n = 0;  // the token whose partial rows `n` counts
   const auto partial = [&](int j, int t, int c0) {  // token t's partial row from its j-th rank, from column c0
     const size_t at = static_cast<size_t>(t - first_token) * s.experts_per_token + j;
     return reinterpret_cast<const In*>(ctx.combine_partials + at * s.combine_stride) + c0;
   };
-  for (long long base = gwarp * per_warp + lane; base < end; base += 32 * kPartialSteps) {
+  ChunkWalk walk(first_item + lane, 32, chunks_per_row);  // the lane's next item
+  // With Prefetch, a warp whose items span a row or more asks L2 for the next token's partial rows (the warp's part of
+  // them, a lane per row) while it sums this token's.
+  const bool prefetch = Prefetch && vector && kChunk * sizeof(In) % 16 == 0 && per_warp >= chunks_per_row;
+  int prefetched = walk.token - 1;  // the last token (from first_token) whose rows this lane asked of L2
+  const auto prefetch_token = [&](int tt) {
+    const long long lo = max(first_item, static_cast<long long>(tt) * chunks_per_row);
+    const long long hi = min(end, static_cast<long long>(tt + 1) * chunks_per_row);
+    const int t = first_token + tt;
+    if (t >= num_tokens || lo >= hi) return;
+    if (lane < partial_rows(s, a.topk_ids + static_cast<size_t>(t) * s.experts_per_token))
+      prefetch_to_l2(partial(lane, t, static_cast<int>(lo - static_cast<long long>(tt) * chunks_per_row) * kChunk),
+                     static_cast<uint32_t>((hi - lo) * kChunk * sizeof(In)));
+  };
+  for (long long base = first_item + lane; base < end; base += 32 * kPartialSteps) {
+    if (prefetch)
+      while (prefetched <= walk.token) prefetch_token(++prefetched);  // this token's and the next one's rows
     Chunk<In> v[kPartialSteps][kSlotBatch];
     int t[kPartialSteps], c0[kPartialSteps], parts[kPartialSteps];
 #pragma unroll
     for (int u = 0; u < kPartialSteps; ++u) {  // the counts, then the loads of every step
       const long long item = base + 32 * u;
-      t[u] = first_token + static_cast<int>(item / chunks_per_row);
-      c0[u] = static_cast<int>(item % chunks_per_row) * kChunk;
+      t[u] = first_token + walk.token;
+      c0[u] = walk.chunk * kChunk;
+      walk.next();
       parts[u] = 0;
       if (item >= end || t[u] >= num_tokens) continue;
       if (t[u] != rows_of) {
@@ -372,7 +412,8 @@ __device__ inline void sum_staged_partial_rows(const Context& ctx, const Combine
 
 // The phase after its protocol-order check (combine_recv.cu), or right after the send in the fused combine
 // (combine.cu). StagedPartials: the staged path's pre-reduced rows (combine_recv.cu alone; a.reduced).
-template <typename In, typename Out, bool StagedPartials = false>
+// PrefetchPartials: sum_partial_rows' Prefetch (combine_recv.cu: the halves were split for work between them).
+template <typename In, typename Out, bool StagedPartials = false, bool PrefetchPartials = false>
 __device__ inline void receive_combined(const Context& ctx, const CombineRecvArgs& a) {
   const Sizes& s = ctx.s;
   const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
@@ -384,7 +425,7 @@ __device__ inline void receive_combined(const Context& ctx, const CombineRecvArg
     if constexpr (StagedPartials)
       sum_staged_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s));
     else
-      sum_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
+      sum_partial_rows<In, Out, PrefetchPartials>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
   } else {
     sum_slot_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
   }

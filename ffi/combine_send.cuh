@@ -17,14 +17,6 @@ constexpr int kSegCols = 32 * kChunk * kSegChunks;
 constexpr int kExpertRowsInFlight = 2;  // pre-reduced rows: expert rows whose chunks a lane loads before adding
 constexpr int kPrefetchSegments = 1;  // whole rows: segments of each row asked of L2 ahead of the sums
 
-// Asks L2 for [p, p + bytes) (p 16-byte aligned, bytes a multiple of 16) without waiting: loads that follow find the
-// bytes there instead of in HBM. One bulk request on sm_90 and newer; nothing before.
-__device__ inline void prefetch_to_l2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "r"(bytes) : "memory");
-#endif
-}
-
 // Column segments of a pre-reduced row (a warp's work item is one segment of one token).
 __host__ __device__ inline int row_segments(const Sizes& s) { return (s.hidden + kSegCols - 1) / kSegCols; }
 

@@ -27,6 +27,14 @@ __device__ inline int lane_index() { return static_cast<int>(threadIdx.x % 32); 
 __device__ inline int grid_warp_index() { return static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32); }
 __device__ inline int grid_warps() { return static_cast<int>(gridDim.x * blockDim.x / 32); }
 
+// Asks L2 for [p, p + bytes) (p 16-byte aligned, bytes a multiple of 16) without waiting: loads that follow find the
+// bytes there instead of in HBM. One bulk request on sm_90 and newer; nothing before.
+__device__ inline void prefetch_to_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "r"(bytes) : "memory");
+#endif
+}
+
 // Kernels name peers by their rank in the MoEComm's EP group; NVSHMEM's calls take the PE of that rank.
 __device__ inline int pe_of(const Context& ctx, int rank) { return ctx.pe_of_rank[rank]; }
 
