@@ -28,7 +28,7 @@ __device__ inline int partial_rows(const Sizes& s, const int32_t* ids) {
 }
 
 // A walk over (token, kChunk columns) items `stride` apart from `first`, its place kept by additions: a 64-bit
-// division per item cost sum_partial_rows more issue slots than the item's own loads.
+// division per item is tens of instructions for each 16-byte load.
 struct ChunkWalk {
   int token, chunk;  // the current item: its token (from the walk's first token) and chunk of the row
   int step_tokens, step_chunks, chunks_per_row;
