@@ -5,9 +5,10 @@ namespace jmc {
 namespace {
 
 // StagedPartials: the staged path's pre-reduced rows (Context::p2p false, a.reduced); dynamic shared memory:
-// sum_staged_partial_rows'. The NVLink path's partial rows are prefetched: what ran between the halves took L2.
+// sum_staged_partial_rows'. Bounded to 128 registers so that a kWideThreads-thread block fits an SM: an SM budget
+// that binds launches such blocks (launch_combine_recv).
 template <typename In, typename Out, bool StagedPartials>
-__global__ void combine_recv_kernel(Context ctx, CombineRecvArgs a) {
+__global__ void __launch_bounds__(kWideThreads, 1) combine_recv_kernel(Context ctx, CombineRecvArgs a) {
   if (begin_phase(ctx, kCombineRecv, a.status))
     receive_combined<In, Out, StagedPartials, true>(ctx, a);
   else

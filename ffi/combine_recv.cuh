@@ -55,10 +55,8 @@ struct ChunkWalk {
 // first-touch load, at every step, before the partial rows' loads).
 // Tokens [first_token, first_token + tokens) (all, or a round of the windowed combine, whose partial rows sit at
 // their places in the round's window: token t at t - first_token).
-// Prefetch: ask L2 for each next token's partial rows (where other work ran between the send and this receive, they
-// are no longer there).
 constexpr int kPartialSteps = 4;
-template <typename In, typename Out, bool Prefetch = false>
+template <typename In, typename Out>
 __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens, bool vector,
                                         int first_token, int tokens) {
   const Sizes& s = ctx.s;
@@ -75,22 +73,7 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
     return reinterpret_cast<const In*>(ctx.combine_partials + at * s.combine_stride) + c0;
   };
   ChunkWalk walk(first_item + lane, 32, chunks_per_row);  // the lane's next item
-  // With Prefetch, a warp whose items span a row or more asks L2 for the next token's partial rows (the warp's part of
-  // them, a lane per row) while it sums this token's.
-  const bool prefetch = Prefetch && vector && kChunk * sizeof(In) % 16 == 0 && per_warp >= chunks_per_row;
-  int prefetched = walk.token - 1;  // the last token (from first_token) whose rows this lane asked of L2
-  const auto prefetch_token = [&](int tt) {
-    const long long lo = max(first_item, static_cast<long long>(tt) * chunks_per_row);
-    const long long hi = min(end, static_cast<long long>(tt + 1) * chunks_per_row);
-    const int t = first_token + tt;
-    if (t >= num_tokens || lo >= hi) return;
-    if (lane < partial_rows(s, a.topk_ids + static_cast<size_t>(t) * s.experts_per_token))
-      prefetch_to_l2(partial(lane, t, static_cast<int>(lo - static_cast<long long>(tt) * chunks_per_row) * kChunk),
-                     static_cast<uint32_t>((hi - lo) * kChunk * sizeof(In)));
-  };
   for (long long base = first_item + lane; base < end; base += 32 * kPartialSteps) {
-    if (prefetch)
-      while (prefetched <= walk.token) prefetch_token(++prefetched);  // this token's and the next one's rows
     Chunk<In> v[kPartialSteps][kSlotBatch];
     int t[kPartialSteps], c0[kPartialSteps], parts[kPartialSteps];
 #pragma unroll
@@ -133,6 +116,84 @@ __device__ inline void sum_partial_rows(const Context& ctx, const CombineRecvArg
     }
     mark(ctx, kCombineRecv, kStep2);  // block 0's (last) chunk summed
   }
+}
+
+// The split receive's pre-reduced rows (vector rows), summed into out as sum_partial_rows sums them. It runs after
+// the work placed between the halves, which took L2, often under an SM budget that leaves it few warps: what bounds
+// it is the bytes each warp has in flight. A warp takes a contiguous range of (token, segment) units, a segment being
+// `steps` chunks per lane of one row (the row split evenly), and issues every load of a unit before it uses one:
+// kSplitLoadBytes per lane (Steps chunks of each of up to Rows partial rows, Rows the most a token has). More bytes
+// than these spill at the kernel's 128 registers.
+constexpr int kSplitLoadBytes = 128;
+template <typename In, typename Out, int Rows>
+__device__ inline void sum_partial_segments(const Context& ctx, const CombineRecvArgs& a, int num_tokens) {
+  constexpr int Steps = kSplitLoadBytes / (Rows * static_cast<int>(sizeof(Chunk<In>)));
+  static_assert(Steps >= 1, "kSplitLoadBytes holds a chunk of every partial row");
+  const Sizes& s = ctx.s;
+  const int chunks_per_row = s.hidden / kChunk;  // vector rows: a whole number of chunks
+  const int lane_chunks = (chunks_per_row + 31) / 32;  // per lane and row
+  const int segments = (lane_chunks + Steps - 1) / Steps;  // per row, each of steps <= Steps chunks per lane
+  const int steps = (lane_chunks + segments - 1) / segments;
+  const int units = s.max_tokens * segments;
+  const int nwarps = grid_warps(), per_warp = (units + nwarps - 1) / nwarps;
+  const int first = grid_warp_index() * per_warp, end = min(units, first + per_warp);
+  const int lane = lane_index();
+  int t = first / segments, segment = first % segments;  // the current unit
+  int rows_of = -1, n = 0;  // the token whose partial rows `n` counts
+  for (int unit = first; unit < end; ++unit) {
+    if (t != rows_of) {
+      n = t < num_tokens ? partial_rows(s, a.topk_ids + static_cast<size_t>(t) * s.experts_per_token) : 0;
+      rows_of = t;
+    }
+    // The lane's chunks are c_first + 32 * u: one address per row, the steps at constant offsets from it.
+    const int c_first = segment * 32 * steps + lane;
+    const Chunk<In>* row = reinterpret_cast<const Chunk<In>*>(
+        ctx.combine_partials + static_cast<size_t>(t) * s.experts_per_token * s.combine_stride) + c_first;
+    const size_t row_step = s.combine_stride / sizeof(Chunk<In>);  // from one partial row to the next
+    Chunk<Out>* out = reinterpret_cast<Chunk<Out>*>(static_cast<Out*>(a.out) + static_cast<size_t>(t) * s.hidden) +
+                      c_first;
+    Chunk<In> v[Steps][Rows];
+    if (n <= Rows) {
+#pragma unroll
+      for (int u = 0; u < Steps; ++u)
+#pragma unroll
+        for (int b = 0; b < Rows; ++b)
+          if (b < n && u < steps && c_first + 32 * u < chunks_per_row) v[u][b] = row[b * row_step + 32 * u];
+    }
+#pragma unroll
+    for (int u = 0; u < Steps; ++u) {
+      if (u >= steps || c_first + 32 * u >= chunks_per_row) continue;
+      float acc[kChunk] = {};
+      if (n <= Rows) {
+#pragma unroll
+        for (int b = 0; b < Rows; ++b)
+          if (b < n)
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) acc[j] += to_float(v[u][b].v[j]);
+      } else {  // more partial rows than kept in flight: added from memory, one row at a time
+        for (int j = 0; j < n; ++j) add_chunk(acc, 1.f, row[j * row_step + 32 * u].v, true, kChunk);
+      }
+      store_chunk(out[32 * u].v, acc, true, kChunk);
+    }
+    mark(ctx, kCombineRecv, kStep2);  // block 0's (last) segment summed
+    if (++segment == segments) {
+      segment = 0;
+      ++t;
+    }
+  }
+}
+
+// The split receive's sum for every EP group size: as many steps of loads as a token's most partial rows (one per
+// rank of the group, at most one per slot) leave room for.
+template <typename In, typename Out>
+__device__ inline void sum_split_partial_rows(const Context& ctx, const CombineRecvArgs& a, int num_tokens) {
+  const int most = min(ctx.s.world, ctx.s.experts_per_token);
+  if (most == 1)
+    sum_partial_segments<In, Out, 1>(ctx, a, num_tokens);
+  else if (most == 2)
+    sum_partial_segments<In, Out, 2>(ctx, a, num_tokens);
+  else
+    sum_partial_segments<In, Out, 4>(ctx, a, num_tokens);
 }
 
 // Rows per slot: waits for each of token t's live slots' flags (this epoch's: landed, or dropped by the expert rank
@@ -412,8 +473,8 @@ __device__ inline void sum_staged_partial_rows(const Context& ctx, const Combine
 
 // The phase after its protocol-order check (combine_recv.cu), or right after the send in the fused combine
 // (combine.cu). StagedPartials: the staged path's pre-reduced rows (combine_recv.cu alone; a.reduced).
-// PrefetchPartials: sum_partial_rows' Prefetch (combine_recv.cu: the halves were split for work between them).
-template <typename In, typename Out, bool StagedPartials = false, bool PrefetchPartials = false>
+// Split: the split receive (combine_recv.cu), whose vector rows sum_split_partial_rows sums.
+template <typename In, typename Out, bool StagedPartials = false, bool Split = false>
 __device__ inline void receive_combined(const Context& ctx, const CombineRecvArgs& a) {
   const Sizes& s = ctx.s;
   const int num_tokens = min(max(*a.num_tokens, 0), s.max_tokens);
@@ -422,10 +483,16 @@ __device__ inline void receive_combined(const Context& ctx, const CombineRecvArg
       wait_for(ctx, ctx.partials_ready + pe, tagged(current_epoch(ctx), 1), kCombineRecv, pe);
     __syncthreads();
     mark(ctx, kCombineRecv, kWaited);
-    if constexpr (StagedPartials)
+    if constexpr (StagedPartials) {
       sum_staged_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s));
-    else
-      sum_partial_rows<In, Out, PrefetchPartials>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
+    } else if constexpr (Split) {
+      if (vector_rows<Out>(s))
+        sum_split_partial_rows<In, Out>(ctx, a, num_tokens);
+      else
+        sum_partial_rows<In, Out>(ctx, a, num_tokens, false, 0, s.max_tokens);
+    } else {
+      sum_partial_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
+    }
   } else {
     sum_slot_rows<In, Out>(ctx, a, num_tokens, vector_rows<Out>(s), 0, s.max_tokens);
   }
