@@ -29,13 +29,12 @@ __global__ void combine_kernel(Context ctx, CombineSendArgs send, CombineRecvArg
 }
 
 // Pre-reduced: partial rows in the output dtype, one per (token, expert rank), added up.
-// 16 warps per SM (at most 128 registers: two blocks, or one block of kWideThreads under an SM budget): the
-// pre-reduction waits on loads, so it wants warps to switch to. Wide: the kernel of kWideThreads blocks, whose warps
-// take whole rows (store_partial_rows).
-template <typename In, typename Out, bool Wide = false>
+// 16 warps per SM (at most 128 registers: two blocks): the pre-reduction waits on loads, so it wants warps to switch
+// to. Not launched under an SM budget that binds (launch_combine: the two halves' kernels there).
+template <typename In, typename Out>
 __global__ void __launch_bounds__(kWideThreads, 1)
     combine_reduced_kernel(Context ctx, CombineSendArgs send, CombineRecvArgs recv) {
-  if (!combine_send_reduced<In, Out, Wide>(ctx, send, false)) return skip_receive<Out>(ctx, recv);
+  if (!combine_send_reduced<In, Out>(ctx, send, false)) return skip_receive<Out>(ctx, recv);
   mark(ctx, kCombineRecv, kStart);
   receive_combined<Out, Out>(ctx, recv);
 }
@@ -112,8 +111,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // The fused kernel of these row types: pre-reduced or per slot, in rounds (windowed) or in one, in flagged words
-// (the low-latency path: per slot only); wide: the pre-reduced one for kWideThreads blocks.
-void* fused_kernel_for(int in_dtype, int out_dtype, bool reduced, bool in_rounds, bool flagged, bool wide = false) {
+// (the low-latency path: per slot only).
+void* fused_kernel_for(int in_dtype, int out_dtype, bool reduced, bool in_rounds, bool flagged) {
   return with_row_type(in_dtype, [&](auto in) {
     return with_row_type(out_dtype, [&](auto out) {
       using In = decltype(in);
@@ -122,7 +121,6 @@ void* fused_kernel_for(int in_dtype, int out_dtype, bool reduced, bool in_rounds
       if (in_rounds)
         return reduced ? reinterpret_cast<void*>(combine_windowed_reduced_kernel<In, Out>)
                        : reinterpret_cast<void*>(combine_windowed_kernel<In, Out>);
-      if (reduced && wide) return reinterpret_cast<void*>(combine_reduced_kernel<In, Out, true>);
       return reduced ? reinterpret_cast<void*>(combine_reduced_kernel<In, Out>)
                      : reinterpret_cast<void*>(combine_kernel<In, Out>);
     });
@@ -145,15 +143,17 @@ cudaError_t launch_combine(const Context& ctx, const CombineSendArgs& send, cons
   const int wanted = std::min(std::max(combine_send_blocks(ctx.s, reduced), combine_recv_blocks(ctx.s)),
                               std::max(per_sm, 1) * ctx.s.sm_count);
   const int blocks = within_budget(ctx.s, wanted);
-  // Under an SM budget that binds, the pre-reduced kernel's blocks are twice as wide where two fit an SM: as many
-  // warps per SM as without the budget, on no more SMs.
-  const bool wide = reduced && !windowed(ctx.s) && !flagged && blocks < wanted && per_sm >= 2;
+  // Under an SM budget that binds, the pre-reduced combine runs as its two halves' kernels, one after the other (the
+  // split calls' device code, the same sums): on few SMs they take less time than the one kernel (benchmarks/NOTES.md).
+  if (reduced && !windowed(ctx.s) && !flagged && blocks < wanted) {
+    const cudaError_t sent = launch_combine_send(ctx, send, stream);
+    return sent != cudaSuccess ? sent : launch_combine_recv(ctx, recv, stream);
+  }
   Context c = ctx;
   CombineSendArgs send_args = send;
   CombineRecvArgs recv_args = recv;
   void* params[] = {&c, &send_args, &recv_args};
-  if (wide) kernel = fused_kernel_for(send.in_dtype, recv.out_dtype, reduced, false, false, true);
-  return cudaLaunchCooperativeKernel(kernel, blocks, wide ? kWideThreads : kThreads, params, 0, stream);
+  return cudaLaunchCooperativeKernel(kernel, blocks, kThreads, params, 0, stream);
 }
 
 }  // namespace jmc

@@ -231,10 +231,11 @@ class MoEComm:
         AD differentiates it). False (default): ``expert_weights`` is None and no collective is added (processes
         sharing one GPU cannot run XLA collectives).
       max_sms: a bound on the SMs each of the NVSHMEM backend's kernels runs on (its grid at most that many blocks
-        of 256 threads; the fused pre-reduced combine's blocks are 512 wide then), so that compute placed between the
-        split halves, or on another stream, keeps the other SMs. None (default): no bound; each kernel sizes its
-        grid from its work, up to several blocks per SM. A smaller budget makes every round trip slower and leaves
-        more of the GPU to the caller (the bench measures both: benchmarks/README.md). The same results bit for bit.
+        of 256 threads; the pre-reduced combine's blocks are 512 wide then, the fused one run as its two halves), so
+        that compute placed between the split halves, or on another stream, keeps the other SMs. None (default): no
+        bound; each kernel sizes its grid from its work, up to several blocks per SM. A smaller budget makes every
+        round trip slower and leaves more of the GPU to the caller (the bench measures both: benchmarks/README.md).
+        The same results bit for bit.
       send_stream: where the NVSHMEM backend runs the send halves (``dispatch_send``, ``combine_send``), so that
         what XLA schedules between a send and its receive can run beside it. None (default): on XLA's compute
         stream in program order (the work between the halves then starts when the send's kernel ends).
