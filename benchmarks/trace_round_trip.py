@@ -3,6 +3,7 @@ GPU activity per kernel name and the device timeline of one chain call (rank 0; 
 
     python -m jax_moe_comm.launch -n 2 -- benchmarks/trace_round_trip.py --tokens 128 [--check] [--chain 4]
         [--option prereduce_min_tokens=1] [--all-ranks] [--backward] [--overlap [FFN] --overlap-at combine]
+        [--overlap [FFN] --compute-alone]
 
 Needs CUPTI (shipped with jax's CUDA plugin); without it the trace holds host events only and this says so.
 """
@@ -23,7 +24,7 @@ from jax.sharding import Mesh
 
 from jax_moe_comm import bench
 from jax_moe_comm._cli import prepare_process
-from jax_moe_comm.bench.chains import backward_chain, overlapped_chain
+from jax_moe_comm.bench.chains import backward_chain, compute_chain, overlapped_chain
 from jax_moe_comm.bench.cli import OPTION_NAMES, OVERLAP_AT, SHARED_EXPERT_FFN, parse_option
 from jax_moe_comm.launch import initialize_distributed
 
@@ -76,10 +77,14 @@ def main() -> int:
                    help="the bench's --overlap chain: a shared expert of width FFN between split halves")
     p.add_argument("--overlap-at", choices=OVERLAP_AT, default=OVERLAP_AT[0],
                    help="with --overlap: the halves the shared expert goes between")
+    p.add_argument("--compute-alone", action="store_true",
+                   help="with --overlap: the shared expert's chain alone (the bench's compute_us), no round trip")
     p.add_argument("--timeline", type=int, default=30, help="device events of the timeline printed (the last ones)")
     args = p.parse_args()
     if args.overlap is not None and args.backward:
         p.error("--overlap traces forward round trips (not --backward)")
+    if args.compute_alone and args.overlap is None:
+        p.error("--compute-alone goes with --overlap")
     options = dict(args.options)
     initialize_distributed()
     mesh = Mesh(np.array(jax.devices()), (bench.AXIS,))
@@ -95,7 +100,9 @@ def main() -> int:
     dev = tuple(bench.to_global(a, mesh) for a in (x, scales, ids, w))
     impl = bench.make_impl(args.backend, cfg, args.tokens, mesh, check_errors=args.check, options=options,
                            backward=args.backward)
-    if args.overlap is not None:
+    if args.compute_alone:
+        body = compute_chain(impl, cfg, args.chain, args.overlap)
+    elif args.overlap is not None:
         body = overlapped_chain(impl, cfg, args.chain, args.overlap, args.overlap_at)
     else:
         body = (backward_chain if args.backward else bench.round_trip_chain)(impl, cfg, args.chain)
@@ -111,7 +118,8 @@ def main() -> int:
     if jax.process_index() != 0 and not args.all_ranks:
         return 0
     gpu = device_events(events)
-    shape = " backward" if args.backward else f" overlap {args.overlap} at {args.overlap_at}" if args.overlap else ""
+    shape = (" backward" if args.backward else f" shared expert {args.overlap} alone" if args.compute_alone
+             else f" overlap {args.overlap} at {args.overlap_at}" if args.overlap else "")
     print(f"{args.backend} {args.config} T={args.tokens} chain {args.chain}{shape} "
           f"check={args.check} options={options}: "
           f"{len(events)} trace events, {len(gpu)} on GPU tracks")
