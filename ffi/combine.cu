@@ -32,7 +32,7 @@ __global__ void combine_kernel(Context ctx, CombineSendArgs send, CombineRecvArg
 // 16 warps per SM (at most 128 registers: two blocks): the pre-reduction waits on loads, so it wants warps to switch
 // to. Not launched under an SM budget that binds (launch_combine: the two halves' kernels there).
 template <typename In, typename Out>
-__global__ void __launch_bounds__(kWideThreads, 1)
+__global__ void __launch_bounds__(kThreads, 2)
     combine_reduced_kernel(Context ctx, CombineSendArgs send, CombineRecvArgs recv) {
   if (!combine_send_reduced<In, Out>(ctx, send, false)) return skip_receive<Out>(ctx, recv);
   mark(ctx, kCombineRecv, kStart);
