@@ -3,10 +3,13 @@ case at once, on a machine whose time is scarce."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import pytest
 from conftest import ep_mesh
 
 import jax_moe_comm as jmc
@@ -24,3 +27,16 @@ def test_make_comm_gives_the_running_cases_options():
         assert nvshmem_cases.make_comm(cfg, ep_mesh(2), "reference").options.staged
     finally:
         nvshmem_cases.OPTIONS.clear()
+
+
+@pytest.mark.parametrize("probe", ["first_pass_probe.cu", "copy_floor_probe.cu"])
+def test_the_standalone_probes_compile_for_the_gpu_machine(probe, tmp_path):
+    """run.sh builds these with nvcc on the GPU machine (PROBE=1, COPY_PROBE=1); the same command here."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    source = Path(__file__).parent / "gpu" / probe
+    built = subprocess.run([nvcc, "-O3", "-arch=sm_90", "-std=c++17", "-o", str(tmp_path / "probe"), str(source)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert (tmp_path / "probe").stat().st_size > 0

@@ -45,6 +45,8 @@
 #                               with one GPU): the kernels' protocol between two ranks, checked without NVLink; XLA's
 #                               NCCL refuses two ranks on one GPU, so the XLA cases cannot run that way
 #   PROBE=1                     tests/gpu/first_pass_probe.cu: load, TLB and instruction-fetch latency in a fresh launch
+#   COPY_PROBE=1 | "args"       tests/gpu/copy_floor_probe.cu: the fan-out's and the weighted sums' speed by copy style,
+#                               with every SM and under an SM budget, beside their memset / read floors
 #   SANITIZE="case|case"        the kernel harness (tests/gpu/kernel_harness.py: no XLA on the GPU), plain and under
 #                               compute-sanitizer (SANITIZE_TOOLS, default "memcheck"), XLA:GPU alone under memcheck,
 #                               then those cases under memcheck (NVLink path, then
@@ -297,6 +299,14 @@ if [ "${PROBE:-0}" = 1 ]; then
     CUDA_VISIBLE_DEVICES=0 timeout 120 /tmp/first_pass_probe >> "$LOGS/probe.log" 2>&1
   step "probe exit code $?"
   cat "$LOGS/probe.log" | tee -a "$OUT/summary.txt"
+fi
+if [ -n "${COPY_PROBE:-}" ]; then  # COPY_PROBE="1" or its arguments ("--tokens 4096 --sms 24 --reps 11")
+  step "copy floor probe (one GPU)"
+  args=${COPY_PROBE#1}
+  nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/copy_floor_probe tests/gpu/copy_floor_probe.cu > "$LOGS/copy_probe.log" 2>&1 &&
+    CUDA_VISIBLE_DEVICES=0 timeout 300 /tmp/copy_floor_probe $args >> "$LOGS/copy_probe.log" 2>&1
+  step "copy floor probe exit code $?"
+  cat "$LOGS/copy_probe.log" | tee -a "$OUT/summary.txt"
 fi
 if [ -n "${MARKS:-}" ]; then  # where each kernel's time goes (kernel harness, no XLA): MARKS="1,128"
   # MARKS_ENVS="A=1;B=2 C=3": the marks again under each of those environments (e.g. NVSHMEM settings).
