@@ -55,6 +55,23 @@ def test_a_sample_across_two_processes_gathers_without_collectives_and_agrees(se
     assert done.returncode == 0, output[-4000:]
 
 
+def test_the_runner_replays_a_file_of_draws_each_as_its_own_setup(tmp_path):
+    """--replay-file: one draw's JSON per line, '#' lines and blank lines skipped (a call's list of chosen draws)."""
+    draws = [differential.Draw(differential.Setup(1, "bfloat16", "bfloat16", 4, 2, 64, 8), differential.Inputs(1)),
+             differential.Draw(differential.Setup(1, "float32", "float32", 8, 3, 32, 5, weights_at="dispatch"),
+                               differential.Inputs(2, "dropped", "partial"))]
+    listed = tmp_path / "draws.jsonl"
+    listed.write_text("# chosen draws\n" + "\n\n".join(draw.to_json() for draw in draws) + "\n")
+    runner = Path(__file__).resolve().parent / "gpu" / "xla_differential.py"
+    done = subprocess.run([sys.executable, "-m", "jax_moe_comm.launch", "-n", "1", "--cpu", "--", str(runner),
+                           "--backend", "reference", "--replay-file", str(listed)],
+                          capture_output=True, text=True, timeout=600, env=standalone_cpu_env())
+    output = done.stdout + done.stderr
+    assert "[rank 0] differential: 2 draws, 0 failures (world 1" in done.stdout, output[-4000:]
+    assert done.stdout.count("[rank 0] setup one ") == 2 and " E8 K3 H32 T5 " in done.stdout, output[-4000:]
+    assert done.returncode == 0, output[-4000:]
+
+
 @pytest.mark.parametrize("name", sorted(differential.REGRESSIONS))
 def test_every_named_regression_replays(name):
     """The named draws of earlier GPU failures stay valid draws: each replays on the reference backend (its custom

@@ -7,6 +7,7 @@ H200).
 
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --setups 50 --runs 4 [--seed S] [--regressions]
     python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --replay '<a draw's JSON>'
+    python -m jax_moe_comm.launch -n 1 -- tests/gpu/xla_differential.py --replay-file draws.jsonl
     python -m jax_moe_comm.launch -n 2 --cpu -- tests/gpu/xla_differential.py --backend reference ...   # CPU
     CUDA_VISIBLE_DEVICES=0,0 NVSHMEM_DISABLE_NCCL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
       XLA_FLAGS=--xla_gpu_shard_autotuning=false python -m jax_moe_comm.launch -n 2 -- \
@@ -48,6 +49,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(os.environ.get("JMC_SEED", time.time_ns() % 2**31)),
                         help="the draws' seed (several processes: process 0's, so that every process draws alike)")
     parser.add_argument("--replay", default="", metavar="JSON", help="one draw, as a failure printed it")
+    parser.add_argument("--replay-file", default="", metavar="PATH",
+                        help="draws to replay, one JSON per line ('#' lines skipped), each its own Setup")
     parser.add_argument("--regressions", action="store_true",
                         help="first the named draws of earlier failures (differential.REGRESSIONS), at world 1")
     parser.add_argument("--small", action="store_true", help="rows of at most 256 elements, at most 65 tokens")
@@ -71,8 +74,9 @@ def main() -> int:
     world = jax.process_count()
     args.seed = from_process_0("xla_differential_seed", lambda: args.seed)  # each process's clock differs
     mesh = Mesh(np.array(jax.devices()), ("ep",))
-    if args.replay:
-        groups = [[differential.Draw.from_json(args.replay)]]
+    if args.replay or args.replay_file:
+        lines = [args.replay] if args.replay else open(args.replay_file).read().splitlines()
+        groups = [[differential.Draw.from_json(line)] for line in lines if line.strip() and not line.startswith("#")]
     else:
         patterns = tuple(args.patterns.split(","))
         unknown = set(patterns) - set(differential.PATTERNS)
