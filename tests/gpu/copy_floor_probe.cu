@@ -570,6 +570,8 @@ int main(int argc, char** argv) {
        plain(reduce_registers<8, 4, 1>), 256, 0},
       {"cp.async, 2 stages", reinterpret_cast<const void*>(reduce_cp_async<2>), plain(reduce_cp_async<2>), 256,
        2 * kK * 32 * 16},
+      {"cp.async, 3 stages", reinterpret_cast<const void*>(reduce_cp_async<3>), plain(reduce_cp_async<3>), 256,
+       3 * kK * 32 * 16},
       {"cp.async, 4 stages", reinterpret_cast<const void*>(reduce_cp_async<4>), plain(reduce_cp_async<4>), 256,
        4 * kK * 32 * 16},
       {"cp.async, 8 stages", reinterpret_cast<const void*>(reduce_cp_async<8>), plain(reduce_cp_async<8>), 128,
