@@ -362,6 +362,7 @@ int main(int argc, char** argv) {
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else return std::fprintf(stderr, "usage: %s [--tokens T] [--sms N] [--reps R]\n", argv[0]), 2;
   }
+  if (T < 1 || budget < 1 || reps < 1) return std::fprintf(stderr, "need --tokens, --sms, --reps >= 1\n"), 2;
   CHECK(cudaSetDevice(0));
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -448,7 +449,10 @@ int main(int argc, char** argv) {
   // (up to 1024 threads) that fits one per SM. `shared_per_warp`: the kernel's dynamic shared memory per warp.
   const auto launch_for = [&](const void* kernel, bool on_budget, int threads, size_t shared_per_warp) {
     if (on_budget) {
+      cudaFuncAttributes attributes{};
+      CHECK(cudaFuncGetAttributes(&attributes, kernel));
       for (int t = 1024; t >= 32; t /= 2) {
+        if (t > attributes.maxThreadsPerBlock) continue;  // __launch_bounds__: the occupancy API does not check it
         int per_sm = 0;
         const size_t shared = shared_per_warp * (t / 32);
         if (shared > 0 &&
@@ -538,6 +542,12 @@ int main(int argc, char** argv) {
       CHECK(cudaMemset(ex, 0, N * kPayload));
       CHECK(cudaMemset(es, 0, N * kScaleBytes));
       v.run(l);
+      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {  // a launch refused: say so, go on
+        std::printf("%s %s: launch %d x %d failed: %s\n", on_budget ? "budget" : "all", v.style, l.blocks, l.threads,
+                    cudaGetErrorString(e));
+        ++failures;
+        continue;
+      }
       CHECK(cudaDeviceSynchronize());
       CHECK(cudaMemcpy(got_ex.data(), ex, got_ex.size(), cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(got_es.data(), es, got_es.size(), cudaMemcpyDeviceToHost));
@@ -592,6 +602,12 @@ int main(int argc, char** argv) {
       if (l.blocks == 0) continue;
       CHECK(cudaMemset(out, 0, got_out.size() * 2));
       v.run(l);
+      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {  // a launch refused: say so, go on
+        std::printf("%s %s: launch %d x %d failed: %s\n", on_budget ? "budget" : "all", v.style, l.blocks, l.threads,
+                    cudaGetErrorString(e));
+        ++failures;
+        continue;
+      }
       CHECK(cudaDeviceSynchronize());
       CHECK(cudaMemcpy(got_out.data(), out, got_out.size() * 2, cudaMemcpyDeviceToHost));
       const bool ok = got_out == want_out;
