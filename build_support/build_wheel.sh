@@ -15,13 +15,17 @@ CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
   python -m pip wheel "$ROOT" --no-build-isolation --no-deps -w "$RAW" -v
 wheel=$(ls "$RAW"/jax_moe_comm-*.whl)
 echo "jax_moe_comm wheel: built $(basename "$wheel") in $((SECONDS - start)) s"
-if ! python -m zipfile -l "$wheel" | grep -q "_nvshmem_ext"; then
+# The listing is read whole before it is searched: `grep -q` in a pipe may stop reading first, and under pipefail the
+# writer's broken pipe then read as "no extension" (an unrepaired, unchecked wheel).
+listing=$(python -m zipfile -l "$wheel")
+if ! grep -q "_nvshmem_ext" <<< "$listing"; then
   cp "$wheel" "$OUTDIR/"
   echo "jax_moe_comm wheel: CPU-only (no CUDA extension): $OUTDIR/$(basename "$wheel")"
   exit 0
 fi
 python -m auditwheel repair --exclude libnvshmem_host.so.3 --exclude libcuda.so.1 -w "$OUTDIR" "$wheel"
-repaired=$(ls -t "$OUTDIR"/jax_moe_comm-*manylinux*.whl | head -1)
+repaired=$(ls -t "$OUTDIR"/jax_moe_comm-*manylinux*.whl)
+repaired=${repaired%%$'\n'*}  # the newest
 python -m auditwheel show "$repaired"
 CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || true)}
 if [ -z "$CUOBJDUMP" ]; then
