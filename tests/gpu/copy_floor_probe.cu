@@ -500,121 +500,109 @@ int main(int argc, char** argv) {
                 static_cast<double>(T) * kH * 2 / us_rw * 1e-3);
   }
 
-  struct FanOutVariant {
+  // A copy style: its kernel, a launch of it on the copy's buffers, its block size with every SM and its dynamic
+  // shared memory per warp.
+  struct Variant {
     const char* style;
     const void* kernel;
     std::function<void(const Launch&)> run;
     int threads;
     size_t shared_per_warp;
   };
-  std::vector<FanOutVariant> fan_outs = {
-      {"registers, 1 token/warp", reinterpret_cast<const void*>(fan_out_registers<1>),
-       [&](const Launch& l) {
-         fan_out_registers<1><<<l.blocks, l.threads, l.shared>>>(reinterpret_cast<int4*>(x), reinterpret_cast<int4*>(xs),
-                                                                d_places, reinterpret_cast<int4*>(ex),
-                                                                reinterpret_cast<int4*>(es), T);
-       },
-       256, 0},
-      {"registers, 2 tokens/warp", reinterpret_cast<const void*>(fan_out_registers<2>),
-       [&](const Launch& l) {
-         fan_out_registers<2><<<l.blocks, l.threads, l.shared>>>(reinterpret_cast<int4*>(x), reinterpret_cast<int4*>(xs),
-                                                                d_places, reinterpret_cast<int4*>(ex),
-                                                                reinterpret_cast<int4*>(es), T);
-       },
-       256, 0},
-      {"bulk, 2 stages", reinterpret_cast<const void*>(fan_out_bulk<2>),
-       [&](const Launch& l) { fan_out_bulk<2><<<l.blocks, l.threads, l.shared>>>(x, xs, d_places, ex, es, T); }, 128,
-       2 * kStageRow},
-      {"bulk, 3 stages", reinterpret_cast<const void*>(fan_out_bulk<3>),
-       [&](const Launch& l) { fan_out_bulk<3><<<l.blocks, l.threads, l.shared>>>(x, xs, d_places, ex, es, T); }, 128,
-       3 * kStageRow},
-      {"bulk, 4 stages", reinterpret_cast<const void*>(fan_out_bulk<4>),
-       [&](const Launch& l) { fan_out_bulk<4><<<l.blocks, l.threads, l.shared>>>(x, xs, d_places, ex, es, T); }, 64,
-       4 * kStageRow},
+  // Each variant with every SM and on the budget: its result (from a cleared output) checked, then timed.
+  const auto run_variants = [&](const char* copy, const std::vector<Variant>& variants,
+                                const std::function<void()>& clear, const std::function<bool()>& right,
+                                double bytes) {
+    for (const auto& v : variants) {
+      cudaFuncAttributes attributes{};
+      CHECK(cudaFuncGetAttributes(&attributes, v.kernel));
+      for (const bool on_budget : {false, true}) {
+        const char* where = on_budget ? "budget" : "all";
+        const Launch l = launch_for(v.kernel, on_budget, v.threads, v.shared_per_warp);
+        if (l.blocks == 0) continue;
+        clear();
+        v.run(l);
+        if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {  // a launch refused: say so, go on
+          std::printf("%s %s: launch %d x %d failed: %s\n", where, v.style, l.blocks, l.threads, cudaGetErrorString(e));
+          ++failures;
+          continue;
+        }
+        CHECK(cudaDeviceSynchronize());
+        const bool ok = right();
+        report(copy, v.style, where, l, attributes.numRegs, time_us([&] { v.run(l); }), bytes, ok);
+      }
+    }
+  };
+
+  const auto in_words = [&](auto kernel) {  // the fan-out's kernels on 16-byte words
+    return [=](const Launch& l) {
+      kernel<<<l.blocks, l.threads, l.shared>>>(reinterpret_cast<int4*>(x), reinterpret_cast<int4*>(xs), d_places,
+                                                reinterpret_cast<int4*>(ex), reinterpret_cast<int4*>(es), T);
+    };
+  };
+  const auto in_bytes = [&](auto kernel) {  // ... and on bytes (bulk copies)
+    return [=](const Launch& l) { kernel<<<l.blocks, l.threads, l.shared>>>(x, xs, d_places, ex, es, T); };
   };
   std::vector<uint8_t> got_ex(want_ex.size()), got_es(want_es.size());
-  for (const auto& v : fan_outs) {
-    cudaFuncAttributes attributes{};
-    CHECK(cudaFuncGetAttributes(&attributes, v.kernel));
-    for (const bool on_budget : {false, true}) {
-      const Launch l = launch_for(v.kernel, on_budget, v.threads, v.shared_per_warp);
-      if (l.blocks == 0) continue;
-      CHECK(cudaMemset(ex, 0, N * kPayload));
-      CHECK(cudaMemset(es, 0, N * kScaleBytes));
-      v.run(l);
-      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {  // a launch refused: say so, go on
-        std::printf("%s %s: launch %d x %d failed: %s\n", on_budget ? "budget" : "all", v.style, l.blocks, l.threads,
-                    cudaGetErrorString(e));
-        ++failures;
-        continue;
-      }
-      CHECK(cudaDeviceSynchronize());
-      CHECK(cudaMemcpy(got_ex.data(), ex, got_ex.size(), cudaMemcpyDeviceToHost));
-      CHECK(cudaMemcpy(got_es.data(), es, got_es.size(), cudaMemcpyDeviceToHost));
-      const bool ok = got_ex == want_ex && got_es == want_es;
-      const double us = time_us([&] { v.run(l); });
-      report("fan-out", v.style, on_budget ? "budget" : "all", l, attributes.numRegs, us, fan_out_bytes, ok);
-    }
-  }
+  run_variants(
+      "fan-out",
+      {{"registers, 1 token/warp", reinterpret_cast<const void*>(fan_out_registers<1>),
+        in_words(fan_out_registers<1>), 256, 0},
+       {"registers, 2 tokens/warp", reinterpret_cast<const void*>(fan_out_registers<2>),
+        in_words(fan_out_registers<2>), 256, 0},
+       {"bulk, 2 stages", reinterpret_cast<const void*>(fan_out_bulk<2>), in_bytes(fan_out_bulk<2>), 128,
+        2 * kStageRow},
+       {"bulk, 3 stages", reinterpret_cast<const void*>(fan_out_bulk<3>), in_bytes(fan_out_bulk<3>), 128,
+        3 * kStageRow},
+       {"bulk, 4 stages", reinterpret_cast<const void*>(fan_out_bulk<4>), in_bytes(fan_out_bulk<4>), 64,
+        4 * kStageRow}},
+      [&] {
+        CHECK(cudaMemset(ex, 0, N * kPayload));
+        CHECK(cudaMemset(es, 0, N * kScaleBytes));
+      },
+      [&] {
+        CHECK(cudaMemcpy(got_ex.data(), ex, got_ex.size(), cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(got_es.data(), es, got_es.size(), cudaMemcpyDeviceToHost));
+        return got_ex == want_ex && got_es == want_es;
+      },
+      fan_out_bytes);
 
-  struct ReduceVariant {
-    const char* style;
-    const void* kernel;
-    std::function<void(const Launch&)> run;
-    int threads;
-    size_t shared_per_warp;
-  };
   const auto plain = [&](auto kernel) {
     return [=](const Launch& l) { kernel<<<l.blocks, l.threads, l.shared>>>(y, d_places, d_w, out, T); };
   };
-  std::vector<ReduceVariant> reduces = {
-      {"registers, 2 rows x 4, 2/SM", reinterpret_cast<const void*>(reduce_registers<2, 4, 2>),
-       plain(reduce_registers<2, 4, 2>), 256, 0},
-      {"registers, 4 rows x 4", reinterpret_cast<const void*>(reduce_registers<4, 4, 1>),
-       plain(reduce_registers<4, 4, 1>), 256, 0},
-      {"registers, 8 rows x 2", reinterpret_cast<const void*>(reduce_registers<8, 2, 1>),
-       plain(reduce_registers<8, 2, 1>), 256, 0},
-      {"registers, 8 rows x 2, 2/SM", reinterpret_cast<const void*>(reduce_registers<8, 2, 2>),
-       plain(reduce_registers<8, 2, 2>), 256, 0},
-      {"registers, 8 rows x 4", reinterpret_cast<const void*>(reduce_registers<8, 4, 1>),
-       plain(reduce_registers<8, 4, 1>), 256, 0},
-      {"cp.async, 2 stages", reinterpret_cast<const void*>(reduce_cp_async<2>), plain(reduce_cp_async<2>), 256,
-       2 * kK * 32 * 16},
-      {"cp.async, 3 stages", reinterpret_cast<const void*>(reduce_cp_async<3>), plain(reduce_cp_async<3>), 256,
-       3 * kK * 32 * 16},
-      {"cp.async, 4 stages", reinterpret_cast<const void*>(reduce_cp_async<4>), plain(reduce_cp_async<4>), 256,
-       4 * kK * 32 * 16},
-      {"cp.async, 8 stages", reinterpret_cast<const void*>(reduce_cp_async<8>), plain(reduce_cp_async<8>), 128,
-       8 * kK * 32 * 16},
-      {"bulk, 2 stages x 1 KB", reinterpret_cast<const void*>(reduce_bulk<2, 64>), plain(reduce_bulk<2, 64>), 128,
-       2 * kK * 64 * 16},
-      {"bulk, 4 stages x 1 KB", reinterpret_cast<const void*>(reduce_bulk<4, 64>), plain(reduce_bulk<4, 64>), 128,
-       4 * kK * 64 * 16},
-      {"bulk, 4 stages x 512 B", reinterpret_cast<const void*>(reduce_bulk<4, 32>), plain(reduce_bulk<4, 32>), 128,
-       4 * kK * 32 * 16},
-  };
   std::vector<uint16_t> got_out(want_out.size());
-  for (const auto& v : reduces) {
-    cudaFuncAttributes attributes{};
-    CHECK(cudaFuncGetAttributes(&attributes, v.kernel));
-    for (const bool on_budget : {false, true}) {
-      const Launch l = launch_for(v.kernel, on_budget, v.threads, v.shared_per_warp);
-      if (l.blocks == 0) continue;
-      CHECK(cudaMemset(out, 0, got_out.size() * 2));
-      v.run(l);
-      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {  // a launch refused: say so, go on
-        std::printf("%s %s: launch %d x %d failed: %s\n", on_budget ? "budget" : "all", v.style, l.blocks, l.threads,
-                    cudaGetErrorString(e));
-        ++failures;
-        continue;
-      }
-      CHECK(cudaDeviceSynchronize());
-      CHECK(cudaMemcpy(got_out.data(), out, got_out.size() * 2, cudaMemcpyDeviceToHost));
-      const bool ok = got_out == want_out;
-      const double us = time_us([&] { v.run(l); });
-      report("reduce", v.style, on_budget ? "budget" : "all", l, attributes.numRegs, us, reduce_bytes, ok);
-    }
-  }
+  run_variants(
+      "reduce",
+      {{"registers, 2 rows x 4, 2/SM", reinterpret_cast<const void*>(reduce_registers<2, 4, 2>),
+        plain(reduce_registers<2, 4, 2>), 256, 0},
+       {"registers, 4 rows x 4", reinterpret_cast<const void*>(reduce_registers<4, 4, 1>),
+        plain(reduce_registers<4, 4, 1>), 256, 0},
+       {"registers, 8 rows x 2", reinterpret_cast<const void*>(reduce_registers<8, 2, 1>),
+        plain(reduce_registers<8, 2, 1>), 256, 0},
+       {"registers, 8 rows x 2, 2/SM", reinterpret_cast<const void*>(reduce_registers<8, 2, 2>),
+        plain(reduce_registers<8, 2, 2>), 256, 0},
+       {"registers, 8 rows x 4", reinterpret_cast<const void*>(reduce_registers<8, 4, 1>),
+        plain(reduce_registers<8, 4, 1>), 256, 0},
+       {"cp.async, 2 stages", reinterpret_cast<const void*>(reduce_cp_async<2>), plain(reduce_cp_async<2>), 256,
+        2 * kK * 32 * 16},
+       {"cp.async, 3 stages", reinterpret_cast<const void*>(reduce_cp_async<3>), plain(reduce_cp_async<3>), 256,
+        3 * kK * 32 * 16},
+       {"cp.async, 4 stages", reinterpret_cast<const void*>(reduce_cp_async<4>), plain(reduce_cp_async<4>), 256,
+        4 * kK * 32 * 16},
+       {"cp.async, 8 stages", reinterpret_cast<const void*>(reduce_cp_async<8>), plain(reduce_cp_async<8>), 128,
+        8 * kK * 32 * 16},
+       {"bulk, 2 stages x 1 KB", reinterpret_cast<const void*>(reduce_bulk<2, 64>), plain(reduce_bulk<2, 64>), 128,
+        2 * kK * 64 * 16},
+       {"bulk, 4 stages x 1 KB", reinterpret_cast<const void*>(reduce_bulk<4, 64>), plain(reduce_bulk<4, 64>), 128,
+        4 * kK * 64 * 16},
+       {"bulk, 4 stages x 512 B", reinterpret_cast<const void*>(reduce_bulk<4, 32>), plain(reduce_bulk<4, 32>), 128,
+        4 * kK * 32 * 16}},
+      [&] { CHECK(cudaMemset(out, 0, got_out.size() * 2)); },
+      [&] {
+        CHECK(cudaMemcpy(got_out.data(), out, got_out.size() * 2, cudaMemcpyDeviceToHost));
+        return got_out == want_out;
+      },
+      reduce_bytes);
   std::printf("%d wrong\n", failures);
   return failures == 0 ? 0 : 1;
 }
