@@ -39,6 +39,7 @@ from cuda.bindings import runtime as cudart  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from nvshmem_cases import TOLERANCE, replicate_groups, routing, window_bound  # noqa: E402
+from row_bytes import format_rates, row_bytes_by_phase  # noqa: E402
 
 import jax_moe_comm as jmc  # noqa: E402
 from jax_moe_comm import _native, errors, nvshmem_backend, runtime  # noqa: E402
@@ -595,13 +596,14 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=
     when `weights_to` is "dispatch" and the combine pre-reduces (as the bench's --weights-to dispatch).
     `options`: MoEComm options of the context (e.g. low_latency_max_tokens). Prints, per phase, the median µs from
     `start` to each later mark, and the median gap from the previous phase's `end` to this one's `start` (launch
-    and queueing)."""
+    and queueing); then each phase's rows in GB/s per SM (row_bytes.py: the routing's row bytes over its span)."""
     from jax_moe_comm import bench
 
     cfg = bench.CONFIGS[config].moe_config(tokens)
     rng = np.random.default_rng(7)
     T, H, K = cfg.max_tokens, cfg.hidden, cfg.experts_per_token
-    ids = routing(rng, "uniform", world * T, cfg, world)[rank * T:(rank + 1) * T]
+    all_ids = routing(rng, "uniform", world * T, cfg, world)
+    ids = all_ids[rank * T:(rank + 1) * T]
     x = rng.standard_normal((T, H)).astype(np.float32)
     w = rng.random((T, K)).astype(np.float32)
     scales = (rng.random((T, cfg.scale_cols)) + 0.5).astype(np.float32)
@@ -632,6 +634,10 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=
               f"{' (the low-latency path)' if fused and flagged else ''}, weights {WEIGHTS_AT[weights_at]}, median of "
               f"{len(marks)} trips, us from the kernel's start (gap: from the previous kernel's end)")
         print("\n".join(format_marks(marks)), flush=True)
+        payload_bytes = H * np.dtype(cfg.dtype).itemsize + 4 * cfg.scale_cols
+        moved = row_bytes_by_phase(all_ids, world, rank, cfg.num_experts, payload_bytes,
+                                   H * np.dtype(cfg.out_dtype).itemsize, prereduce)
+        print(format_rates(marks, moved, ext.sm_count()), flush=True)
     finally:
         mem.free()
         ext.destroy_context(ctx)

@@ -317,7 +317,7 @@ if [ -n "${MARKS:-}" ]; then  # where each kernel's time goes (kernel harness, n
     env $extra timeout 200 python3 -m jax_moe_comm.launch -n "${RANKS:-2}" -- tests/gpu/kernel_harness.py \
       --marks "$MARKS" ${MARKS_ARGS:-} \
       > "$LOGS/marks_$((i + 1)).log" 2>&1
-    grep -E "^\[rank [0-9]\] (rank|phase|dispatch|combine|round trip|no kernel)" "$LOGS/marks_$((i + 1)).log" \
+    grep -E "^\[rank [0-9]\] (rank|phase|dispatch|combine|round trip|rows|no kernel)" "$LOGS/marks_$((i + 1)).log" \
       | tee -a "$OUT/summary.txt"
   done
 fi
