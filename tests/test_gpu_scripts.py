@@ -17,7 +17,7 @@ import jax_moe_comm as jmc
 
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 import nvshmem_cases  # noqa: E402
-from row_bytes import format_rates, gb_per_s_per_sm, row_bytes_by_phase  # noqa: E402
+from kernel_marks import format_rates, gb_per_s_per_sm, row_bytes_by_phase  # noqa: E402
 
 
 def test_make_comm_gives_the_running_cases_options():

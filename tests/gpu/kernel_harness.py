@@ -38,8 +38,8 @@ import numpy as np  # noqa: E402
 from cuda.bindings import runtime as cudart  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from kernel_marks import MARKS, PHASES, format_marks, format_rates, row_bytes_by_phase  # noqa: E402
 from nvshmem_cases import TOLERANCE, replicate_groups, routing, window_bound  # noqa: E402
-from row_bytes import format_rates, row_bytes_by_phase  # noqa: E402
 
 import jax_moe_comm as jmc  # noqa: E402
 from jax_moe_comm import _native, errors, nvshmem_backend, runtime  # noqa: E402
@@ -144,8 +144,6 @@ TOO_SLOW_UNDER_SANITIZER = {"many tokens: several batches per block"}
 WEIGHTS_AT = {"send": "at combine_send", "recv": "at combine_recv", "dispatch": "given to dispatch_send"}
 
 
-PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-MARKS = ("start", "waited", "worked", "closed", "all_done", "end", "step1", "step2")  # ffi/context.h, enum Mark
 
 
 def checked(result):
@@ -571,23 +569,6 @@ def check_round_trip(got, ref, rank, T, cap, L, cfg, weights_at):
     return used, err
 
 
-def format_marks(marks: np.ndarray) -> list[str]:
-    """marks [trips, phase, mark] (globaltimer ns, 0 = not stamped): a row per phase, medians in µs."""
-    lines = [f"{'phase':14s} {'gap':>7s} " + " ".join(f"{m:>8s}" for m in MARKS[1:])]
-    for i, phase in enumerate(PHASES):
-        start = marks[:, i, 0]
-        gap = f"{np.median(start - marks[:, i - 1, 5]) / 1e3:7.1f}" if i else f"{'-':>7s}"  # trip 1: host sync
-        cells = []
-        for j in range(1, len(MARKS)):
-            stamped = marks[:, i, j] > 0
-            cells.append(f"{np.median(marks[stamped, i, j] - start[stamped]) / 1e3:8.1f}" if stamped.any()
-                         else f"{'-':>8s}")
-        lines.append(f"{phase:14s} {gap} " + " ".join(cells))
-    trip = np.median(marks[:, -1, 5] - marks[:, 0, 0]) / 1e3
-    lines.append(f"round trip (dispatch_send start to combine_recv end): {trip:.1f} us")
-    return lines
-
-
 def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=False, options=None):
     """Where each kernel's time goes (the measurement build): `trips` round trips of the bench config at `tokens` per
     rank, the two fused kernels on the NVLink path (`split`, or off it: the four; their phases stamp the same marks)
@@ -596,7 +577,7 @@ def marks_table(rank, world, config, tokens, trips, weights_to="combine", split=
     when `weights_to` is "dispatch" and the combine pre-reduces (as the bench's --weights-to dispatch).
     `options`: MoEComm options of the context (e.g. low_latency_max_tokens). Prints, per phase, the median µs from
     `start` to each later mark, and the median gap from the previous phase's `end` to this one's `start` (launch
-    and queueing); then each phase's rows in GB/s per SM (row_bytes.py: the routing's row bytes over its span)."""
+    and queueing); then each phase's rows in GB/s per SM (kernel_marks.py: the routing's row bytes over its span)."""
     from jax_moe_comm import bench
 
     cfg = bench.CONFIGS[config].moe_config(tokens)

@@ -1,10 +1,32 @@
-"""The row bytes each phase's copies move for one routing: what the kernel marks divide by their times to print GB/s
-per SM (kernel_harness.py --marks). Counted from the routing alone, before any drop (capacity), each byte read
-or written once: a lower bound on a phase's traffic, whatever the path; the ids, layout and signals are left out."""
+"""The kernel marks' layout and how they are printed (kernel_harness.py --marks): each phase's median µs from its
+start to each later mark, and its rows in GB/s per SM. The row bytes are counted from the routing alone, before any
+drop (capacity), each byte read or written once: a lower bound on a phase's traffic, whatever the path; the ids,
+layout and signals are left out."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from jax_moe_comm.errors import PHASES
+
+MARKS = ("start", "waited", "worked", "closed", "all_done", "end", "step1", "step2")  # ffi/context.h, enum Mark
+
+
+def format_marks(marks: np.ndarray) -> list[str]:
+    """marks [trips, phase, mark] (globaltimer ns, 0 = not stamped): a row per phase, medians in µs."""
+    lines = [f"{'phase':14s} {'gap':>7s} " + " ".join(f"{m:>8s}" for m in MARKS[1:])]
+    for i, phase in enumerate(PHASES):
+        start = marks[:, i, 0]
+        gap = f"{np.median(start - marks[:, i - 1, 5]) / 1e3:7.1f}" if i else f"{'-':>7s}"  # trip 1: host sync
+        cells = []
+        for j in range(1, len(MARKS)):
+            stamped = marks[:, i, j] > 0
+            cells.append(f"{np.median(marks[stamped, i, j] - start[stamped]) / 1e3:8.1f}" if stamped.any()
+                         else f"{'-':>8s}")
+        lines.append(f"{phase:14s} {gap} " + " ".join(cells))
+    trip = np.median(marks[:, -1, 5] - marks[:, 0, 0]) / 1e3
+    lines.append(f"round trip (dispatch_send start to combine_recv end): {trip:.1f} us")
+    return lines
 
 
 def row_bytes_by_phase(all_ids: np.ndarray, world: int, rank: int, num_experts: int, payload_bytes: int,
@@ -42,16 +64,17 @@ def gb_per_s_per_sm(row_bytes: int, microseconds: float, sm_count: int) -> float
 
 
 def format_rates(marks: np.ndarray, row_bytes: dict[str, int], sm_count: int) -> str:
-    """marks [trips, phase, mark] (kernel_harness.py: phases dispatch_send, dispatch_recv, combine_send, combine_recv;
-    mark 0 the start, 5 the end; ns): the rows' GB/s per SM of each phase's copies over the marks' medians, the
-    dispatch from dispatch_send's start to dispatch_recv's end (its two phases overlap in the fused kernel), each
-    combine phase from its start to its end."""
-    spans = {"dispatch": marks[:, 1, 5] - marks[:, 0, 0], "combine_send": marks[:, 2, 5] - marks[:, 2, 0],
-             "combine_recv": marks[:, 3, 5] - marks[:, 3, 0]}
+    """marks [trips, phase, mark] (ns, PHASES x MARKS): the rows' GB/s per SM of each phase's copies over the marks'
+    medians, the dispatch from dispatch_send's start to dispatch_recv's end (its two phases overlap in the fused
+    kernel), each combine phase from its start to its end."""
+    start, end = MARKS.index("start"), MARKS.index("end")
+    at = {name: PHASES.index(name) for name in PHASES}
+    spans = {"dispatch": marks[:, at["dispatch_recv"], end] - marks[:, at["dispatch_send"], start],
+             "combine_send": marks[:, at["combine_send"], end] - marks[:, at["combine_send"], start],
+             "combine_recv": marks[:, at["combine_recv"], end] - marks[:, at["combine_recv"], start]}
     cells = []
     for name, span in spans.items():
         us = float(np.median(span)) / 1e3
         rate = gb_per_s_per_sm(row_bytes[name], us, sm_count)
         cells.append(f"{name} {row_bytes[name] / 1e6:.1f} MB in {us:.1f} us = {rate:.2f}")
     return f"rows' GB/s per SM ({sm_count} SMs): " + "; ".join(cells)
-
